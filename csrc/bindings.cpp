@@ -1,0 +1,110 @@
+// pybind11 control API of deepcompile._C: runtime lifetime, parameter and graph registration,
+// step hooks, profiling switches and introspection for tests. deepcompile/runtime.py wraps it.
+#include <deepcompile/runtime.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+namespace py = pybind11;
+using namespace deepcompile;
+
+namespace {
+
+void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device_type, int64_t device_index,
+          int64_t bucket_size, bool double_buffer, int64_t free_threshold, const std::vector<bool>& syncs) {
+  TORCH_CHECK(syncs.size() == 4, "deepcompile: init expects 4 sync flags");
+  RuntimeConfig config;
+  config.reduce_bucket_size = bucket_size;
+  config.double_buffer = double_buffer;
+  config.free_activation_threshold = free_threshold;
+  config.sync_before_reduce = syncs[0];
+  config.sync_after_reduce = syncs[1];
+  config.sync_before_allgather = syncs[2];
+  config.sync_after_allgather = syncs[3];
+  // The old runtime goes first: its communicator must be gone before a new one is created.
+  destroyRuntime();
+  std::unique_ptr<Lanes> lanes;
+  std::unique_ptr<Communicator> comm;
+  if (device_type == "cuda") {
+#ifdef DC_WITH_NCCL
+    const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+    lanes = makeDeviceLanes(device);
+    comm = makeNcclCommunicator(group, device, *lanes);
+#else
+    TORCH_CHECK(false, "deepcompile was built without NCCL support; device='cuda' is unavailable");
+#endif
+  } else {
+    TORCH_CHECK(device_type == "cpu", "deepcompile: device must be 'cpu' or 'cuda', got '", device_type, "'");
+    lanes = makeHostLanes();
+    comm = makeProcessGroupCommunicator(group);
+  }
+  installRuntime(std::make_unique<Runtime>(std::move(lanes), std::move(comm), config));
+}
+
+void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::vector<int64_t>>& shapes,
+                      const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& targets,
+                      const std::vector<bool>& persistent,
+                      const std::vector<std::optional<at::ScalarType>>& expected_dtypes) {
+  Runtime& rt = currentRuntime();
+  TORCH_CHECK(shapes.size() == ids.size() && shards.size() == ids.size() && targets.size() == ids.size() &&
+                  persistent.size() == ids.size() && expected_dtypes.size() == ids.size(),
+              "deepcompile: register_z3_params: argument lists differ in length");
+  std::vector<Runtime::Z3ParamSpec> specs;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    specs.push_back({ids[i], shapes[i], shards[i], targets[i], persistent[i], expected_dtypes[i]});
+  }
+  rt.registerZ3Params(std::move(specs));
+}
+
+py::object gatheredBuffer(int64_t id) {
+  const DSParam& p = currentRuntime().registry().get(id);
+  if (!p.gathered.defined()) return py::none();
+  return py::cast(p.gathered);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "deepcompile runtime: control API (the ops are registered as torch.ops.dc.*)";
+  m.def("init", &init, "Create the runtime (replacing any previous one)");
+  m.def("cleanup", &destroyRuntime, "Destroy the runtime; safe to call when none exists");
+  m.def("is_initialized", &runtimeInitialized);
+  m.def("reset", [] { currentRuntime().resetExecutors(); });
+  m.def("world_size", [] { return currentRuntime().world(); });
+  m.def("rank", [] { return currentRuntime().rank(); });
+  m.def("register_z3_params", &registerZ3Params);
+  m.def("register_z12_param", [](int64_t id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
+                                 int64_t partition_numel) {
+    currentRuntime().registerZ12Param(id, std::move(shape), std::move(param), group_offset, partition_numel);
+  });
+  m.def("bind_grad_target",
+        [](int64_t id, at::Tensor target, bool zero) { currentRuntime().bindGradTarget(id, std::move(target), zero); });
+  m.def("unbind_grad_targets",
+        [](std::optional<std::vector<int64_t>> ids) { currentRuntime().unbindGradTargets(ids); });
+  m.def("register_graph", [](int64_t graph_id, std::vector<int64_t> ids, int64_t stage) {
+    currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
+  });
+  m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); });
+  m.def("start_forward", [] { currentRuntime(); });
+  m.def("end_forward", [] { currentRuntime(); });
+  m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); });
+  m.def("enable_profiling", [](bool enabled) { currentRuntime().profiling = enabled; });
+  m.def("is_profiling", [] { return currentRuntime().profiling; });
+  m.def("invalidate_gathered_param", [](int64_t id) { currentRuntime().invalidateGathered(id); });
+  m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); });
+  m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); });
+  // Introspection (tests, reports).
+  m.def("is_gathered", [](int64_t id) {
+    const DSParam& p = currentRuntime().registry().get(id);
+    return p.valid && p.gathered.defined();
+  });
+  m.def("is_persistent", [](int64_t id) { return currentRuntime().registry().get(id).persistent; });
+  m.def("gathered_buffer", &gatheredBuffer);
+  m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
+  m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
+  m.def("holds_grad_target", [](int64_t id) {
+    const DSParam& p = currentRuntime().registry().get(id);
+    return p.grad_target.defined() || p.local_grad_acc.defined();
+  });
+}

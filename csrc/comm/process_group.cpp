@@ -1,0 +1,140 @@
+// Communicator over a c10d ProcessGroup (gloo on CPU). Collectives return c10d Work handles;
+// whatever must happen after the communication (copying back from an fp32 staging buffer,
+// taking this rank's chunk of an all-reduce) runs when the completion is first waited on.
+#include <deepcompile/communicator.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+
+namespace deepcompile {
+
+namespace {
+
+// gloo's support for half types varies with the torch version; staging them in fp32 is exact
+// for all-gathers and more precise for sums, so do it always.
+bool needsStaging(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
+class WorkCompletion final : public Completion {
+ public:
+  WorkCompletion(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<std::function<void()>> then,
+                 std::vector<at::Tensor> keep_alive)
+      : works_(std::move(works)), then_(std::move(then)), keep_alive_(std::move(keep_alive)) {}
+  void blockStream(const c10::Stream&) override { hostWait(); }
+  void hostWait() override {
+    if (done_) return;
+    for (auto& work : works_) work->wait();
+    works_.clear();
+    for (auto& action : then_) action();
+    then_.clear();
+    keep_alive_.clear();
+    done_ = true;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<std::function<void()>> then_;
+  std::vector<at::Tensor> keep_alive_;  // buffers gloo reads or writes until the work is done
+  bool done_ = false;
+};
+
+class ProcessGroupCommunicator final : public Communicator {
+ public:
+  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {
+    TORCH_CHECK(group_, "deepcompile: a process group is required");
+  }
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+  const char* name() const override { return "process-group"; }
+
+  void beginGroup(Lane) override {
+    TORCH_CHECK(!in_group_, "deepcompile: communicator groups cannot nest");
+    in_group_ = true;
+  }
+
+  void allGather(const at::Tensor& send, const at::Tensor& recv) override {
+    checkInGroup();
+    TORCH_CHECK(recv.numel() == send.numel() * size(), "deepcompile: all-gather of ", send.numel(),
+                " elements per rank needs ", send.numel() * size(), " output elements, got ", recv.numel());
+    at::Tensor in = stage(send);
+    at::Tensor out = needsStaging(recv) ? at::empty({recv.numel()}, recv.options().dtype(at::kFloat)) : recv;
+    std::vector<at::Tensor> inputs{in.contiguous()};
+    std::vector<std::vector<at::Tensor>> outputs{out.view({-1}).chunk(size())};
+    issue(group_->allgather(outputs, inputs), {inputs[0], out});
+    if (!out.is_same(recv)) then_.push_back([out, recv]() { recv.view({-1}).copy_(out); });
+  }
+
+  void reduceScatter(const at::Tensor& send, const at::Tensor& recv) override {
+    checkInGroup();
+    TORCH_CHECK(send.numel() == recv.numel() * size(), "deepcompile: reduce-scatter into ", recv.numel(),
+                " elements needs ", recv.numel() * size(), " input elements, got ", send.numel());
+    // gloo has no reduce-scatter on every torch version: all-reduce a scratch copy, keep our chunk.
+    at::Tensor scratch = send.to(needsStaging(send) ? at::kFloat : send.scalar_type(), /*non_blocking=*/false,
+                                 /*copy=*/true);
+    std::vector<at::Tensor> tensors{scratch};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    issue(group_->allreduce(tensors, opts), {scratch});
+    const int64_t n = recv.numel();
+    const int64_t offset = n * rank();
+    then_.push_back([scratch, recv, n, offset]() { recv.view({-1}).copy_(scratch.narrow(0, offset, n)); });
+  }
+
+  void reduce(const at::Tensor& buffer, int root) override {
+    checkInGroup();
+    at::Tensor staged = stage(buffer);
+    std::vector<at::Tensor> tensors{staged};
+    c10d::ReduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.rootRank = root;
+    issue(group_->reduce(tensors, opts), {staged});
+    if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
+  }
+
+  CompletionPtr endGroup() override {
+    checkInGroup();
+    in_group_ = false;
+    auto done = std::make_shared<WorkCompletion>(std::move(works_), std::move(then_), std::move(keep_alive_));
+    works_.clear();
+    then_.clear();
+    keep_alive_.clear();
+    return done;
+  }
+
+  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {
+    at::Tensor in = at::tensor(values, at::kLong);
+    at::Tensor out = at::empty({static_cast<int64_t>(values.size()) * size()}, at::kLong);
+    std::vector<at::Tensor> inputs{in};
+    std::vector<std::vector<at::Tensor>> outputs{out.chunk(size())};
+    group_->allgather(outputs, inputs)->wait();
+    return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+  }
+
+ private:
+  void checkInGroup() const { TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup"); }
+  // A contiguous tensor gloo can communicate; the original when it already is one.
+  static at::Tensor stage(const at::Tensor& t) {
+    if (needsStaging(t)) return t.to(at::kFloat);
+    return t.is_contiguous() ? t : t.contiguous();
+  }
+  void issue(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> buffers) {
+    works_.push_back(std::move(work));
+    for (auto& b : buffers) keep_alive_.push_back(std::move(b));
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool in_group_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<std::function<void()>> then_;
+  std::vector<at::Tensor> keep_alive_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> makeProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  return std::make_unique<ProcessGroupCommunicator>(std::move(group));
+}
+
+}  // namespace deepcompile

@@ -1,0 +1,191 @@
+// Gradient reduction (GradReducer) and the executors that need no parameter gathering.
+#include <deepcompile/executor.h>
+#include <deepcompile/runtime.h>
+
+namespace deepcompile {
+
+// ---------------------------------------------------------------------------------------------
+// GradReducer
+
+GradReducer::GradReducer(Runtime& runtime, int64_t bucket_size, bool double_buffer)
+    : rt_(runtime),
+      buckets_(bucket_size, double_buffer, [&runtime](int64_t numel, at::ScalarType dtype) {
+        // Buckets are written on the copy lane and read on the reduce lane; allocating them on
+        // the reduce lane keeps the allocator's stream bookkeeping on the lane that frees them.
+        LaneScope scope(runtime.lanes(), Lane::ReduceScatter);
+        return at::empty({numel}, at::TensorOptions().dtype(dtype).device(runtime.device()));
+      }) {}
+
+size_t GradReducer::pendingTasks() const {
+  size_t n = 0;
+  for (const auto& kv : tasks_) n += kv.second.size();
+  return n;
+}
+
+void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
+  Lanes& lanes = rt_.lanes();
+  at::Tensor grad = grad_in.detach();
+  if (param.expected_grad_dtype.has_value() && grad.scalar_type() != *param.expected_grad_dtype) {
+    grad = grad.to(*param.expected_grad_dtype);
+  }
+  const at::ScalarType dtype = grad.scalar_type();
+  // ZeRO-3 slots are padded to world * ppr and zero-filled, so the reduce-scatter never reads
+  // past the gradient (the padding tail of the last rank's partition stays exactly zero).
+  const int64_t slot_numel = param.partitioned ? param.paddedNumel() : param.numel;
+
+  ReduceBucket* bucket = &buckets_.current(dtype);
+  if (bucket->shouldFlush(slot_numel)) {
+    flush(dtype);
+    bucket = &buckets_.current(dtype);
+  }
+  if (slot_numel > bucket->capacity()) {
+    if (bucket->last_use) bucket->last_use->hostWait();
+    bucket->reserve(slot_numel);
+  }
+  at::Tensor slot = bucket->allocate(slot_numel);
+
+  // The copy lane writes the slot once (a) the gradient is produced and (b) the last collective
+  // that read this bucket buffer is done.
+  const c10::Stream copy_stream = lanes.stream(Lane::Copy);
+  lanes.waitCompute(Lane::Copy);
+  if (bucket->last_use) bucket->last_use->blockStream(copy_stream);
+  {
+    LaneScope scope(lanes, Lane::Copy);
+    slot.narrow(0, 0, param.numel).copy_(grad.reshape({-1}));
+    if (slot_numel > param.numel) slot.narrow(0, param.numel, slot_numel - param.numel).zero_();
+  }
+  // The graph may drop the gradient right after this op: keep its block from being reused
+  // before the copy lane has read it.
+  lanes.recordStream(grad, copy_stream);
+  tasks_[dtype].push_back(Task{param.id, param.numel, slot, lanes.record(Lane::Copy)});
+}
+
+void GradReducer::flush(at::ScalarType dtype) {
+  auto it = tasks_.find(dtype);
+  // Nothing queued for this dtype (e.g. a backward without reductions): nothing to do, and in
+  // particular no bucket to swap, which may not even exist any more.
+  if (it == tasks_.end() || it->second.empty()) return;
+  std::vector<Task> tasks = std::move(it->second);
+  tasks_.erase(it);
+
+  Lanes& lanes = rt_.lanes();
+  Communicator& comm = rt_.comm();
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const c10::Stream reduce_stream = lanes.stream(Lane::ReduceScatter);
+  for (const Task& task : tasks) task.copied->blockStream(reduce_stream);
+
+  ReduceBucket& bucket = buckets_.current(dtype);
+  struct Landing {
+    DSParam* param;
+    at::Tensor received;  // where this rank's reduced piece arrived (undefined: in the target)
+    bool accumulate;      // add into the target instead of overwriting it
+  };
+  std::vector<Landing> landings;
+  {
+    LaneScope scope(lanes, Lane::ReduceScatter);
+    // Average by pre-dividing and summing: gloo has no AVG, and it keeps low-precision sums in
+    // range the same way on both backends.
+    bucket.used().div_(world);
+    comm.beginGroup(Lane::ReduceScatter);
+    for (const Task& task : tasks) {
+      DSParam& param = rt_.registry().get(task.id);
+      // Decided per task, in order: a parameter reduced twice in one window (two graphs, or
+      // two micro-steps) overwrites its target once and accumulates afterwards.
+      const bool accumulate = param.has_acc_grad;
+      param.has_acc_grad = true;
+      if (param.partitioned) {
+        // Receive straight into the target when it can simply be overwritten.
+        const at::Tensor& target = param.grad_target;
+        const bool direct = !accumulate && target.scalar_type() == dtype;
+        at::Tensor recv = direct ? target.view({-1}) : at::empty({param.ppr}, task.slot.options());
+        comm.reduceScatter(task.slot, recv);
+        landings.push_back({&param, direct ? at::Tensor() : recv, accumulate});
+      } else {
+        for (const OwnedRange& range : param.ownedRanges()) {
+          at::Tensor piece = task.slot.narrow(0, range.begin, range.numel());
+          comm.reduce(piece, range.owner);
+          if (range.owner == rank) landings.push_back({&param, piece, accumulate});
+        }
+      }
+    }
+  }
+  CompletionPtr reduced = comm.endGroup();
+  reduced->blockStream(reduce_stream);
+  {
+    LaneScope scope(lanes, Lane::ReduceScatter);
+    for (Landing& landing : landings) {
+      DSParam& param = *landing.param;
+      if (!landing.received.defined()) continue;
+      at::Tensor target = param.grad_target.view({-1});
+      if (landing.accumulate) {
+        target.add_(landing.received.to(target.scalar_type()));
+      } else {
+        target.copy_(landing.received);
+      }
+    }
+  }
+  buckets_.swap(dtype, lanes.record(Lane::ReduceScatter));
+}
+
+void GradReducer::flushAll() {
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& kv : tasks_) dtypes.push_back(kv.first);
+  for (at::ScalarType dtype : dtypes) flush(dtype);
+}
+
+void GradReducer::releaseBuckets() {
+  TORCH_CHECK(pendingTasks() == 0, "deepcompile: cannot release reduce buckets with ", pendingTasks(),
+              " reductions pending");
+  rt_.lanes().synchronize(Lane::ReduceScatter);
+  rt_.lanes().synchronize(Lane::Copy);
+  buckets_.clear();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Executors
+
+CustomOpExecutor::CustomOpExecutor(Runtime& runtime, GraphId graph_id, std::vector<DsId> ids, int stage)
+    : rt_(runtime), graph_id_(graph_id), ids_(std::move(ids)), id_set_(ids_.begin(), ids_.end()), stage_(stage) {}
+
+DSParam& CustomOpExecutor::param(DsId id, const char* op) {
+  TORCH_CHECK(hasParam(id), "dc.", op, ": ds id ", id, " is not a parameter of graph ", graph_id_,
+              " (registered ids: ", ids_.size(), ")");
+  return rt_.registry().get(id);
+}
+
+void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* op) {
+  DSParam& p = param(id, op);
+  TORCH_CHECK(grad.numel() == p.numel, "dc.", op, ": gradient of ds id ", id, " has ", grad.numel(),
+              " elements but the parameter has ", p.numel);
+  const int64_t local = p.localGradNumel(rt_.rank());
+  TORCH_CHECK(local == 0 || p.grad_target.defined(), "dc.", op, ": ds id ", id,
+              " has no gradient target bound (bind_grad_target) on rank ", rt_.rank());
+  rt_.reducer().enqueue(p, grad);
+}
+
+void Z1Executor::reduceGrad(const at::Tensor& grad, DsId id, const char* op) {
+  DSParam& p = param(id, op);
+  TORCH_CHECK(grad.numel() == p.numel, "dc.", op, ": gradient of ds id ", id, " has ", grad.numel(),
+              " elements but the parameter has ", p.numel);
+  // ZeRO-1 reduces once per accumulation window: micro-steps accumulate the full local
+  // gradient (a private copy: the graph may reuse its own buffer), the update step reduces it.
+  if (!rt_.updateStep()) {
+    if (p.local_grad_acc.defined()) {
+      p.local_grad_acc.add_(grad.reshape(p.local_grad_acc.sizes()));
+    } else {
+      p.local_grad_acc = grad.detach().clone(at::MemoryFormat::Contiguous);
+    }
+    return;
+  }
+  if (p.local_grad_acc.defined()) {
+    at::Tensor total = std::move(p.local_grad_acc);
+    p.local_grad_acc = at::Tensor();
+    total.add_(grad.reshape(total.sizes()));
+    CustomOpExecutor::reduceGrad(total, id, op);
+  } else {
+    CustomOpExecutor::reduceGrad(grad, id, op);
+  }
+}
+
+}  // namespace deepcompile

@@ -1,0 +1,50 @@
+// Collectives the runtime needs, behind one interface with two implementations:
+// raw NCCL on the lanes (GPU) and a c10d ProcessGroup (gloo on CPU).
+#pragma once
+
+#include <deepcompile/common.h>
+
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace deepcompile {
+
+class Lanes;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* name() const = 0;
+
+  // Collectives are issued between beginGroup(lane) and endGroup(); endGroup returns one
+  // completion for all of them. All ranks must issue the same sequence.
+  virtual void beginGroup(Lane lane) = 0;
+  // recv (flat, size() * send.numel() elements) = concatenation of every rank's send.
+  virtual void allGather(const at::Tensor& send, const at::Tensor& recv) = 0;
+  // recv (recv.numel() elements) = sum over ranks of chunk rank() of send (size() chunks).
+  virtual void reduceScatter(const at::Tensor& send, const at::Tensor& recv) = 0;
+  // buffer on rank `root` = sum over ranks of buffer (in place; other ranks' buffers are scratch).
+  virtual void reduce(const at::Tensor& buffer, int root) = 0;
+  virtual CompletionPtr endGroup() = 0;
+
+  // Blocking exchange of a few host integers: returns size() * values.size() entries, rank-major.
+  // Every rank must pass the same number of values.
+  virtual std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) = 0;
+};
+
+std::unique_ptr<Communicator> makeProcessGroupCommunicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+#ifdef DC_WITH_NCCL
+// Builds a private NCCL communicator over the ranks of `group`; the unique id is broadcast from
+// the group's rank 0 through the group itself.
+std::unique_ptr<Communicator> makeNcclCommunicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group, c10::Device device, Lanes& lanes);
+#endif
+
+}  // namespace deepcompile

@@ -1,0 +1,98 @@
+// The runtime object: everything the ops share between calls. Exactly one may be current;
+// init() replaces it (cleaning up the old one) and cleanup() drops it. Nothing else is global.
+#pragma once
+
+#include <deepcompile/common.h>
+#include <deepcompile/communicator.h>
+#include <deepcompile/executor.h>
+#include <deepcompile/registry.h>
+#include <deepcompile/streams.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace deepcompile {
+
+struct RuntimeConfig {
+  int64_t reduce_bucket_size = 500000000;     // elements
+  bool double_buffer = true;
+  int64_t free_activation_threshold = 10 << 20;  // bytes
+  bool sync_before_reduce = false;
+  bool sync_after_reduce = false;
+  bool sync_before_allgather = false;
+  bool sync_after_allgather = false;
+};
+
+class Runtime {
+ public:
+  Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config);
+  ~Runtime();
+
+  Communicator& comm() { return *comm_; }
+  Lanes& lanes() { return *lanes_; }
+  DSParamRegistry& registry() { return registry_; }
+  GradReducer& reducer() { return *reducer_; }
+  const RuntimeConfig& config() const { return config_; }
+  c10::Device device() const { return lanes_->device(); }
+  int rank() const { return comm_->rank(); }
+  int world() const { return comm_->size(); }
+
+  // Checks that `tensor` lives where the runtime communicates.
+  void checkDevice(const at::Tensor& tensor, const char* op, const char* what) const;
+
+  void registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage);
+  CustomOpExecutor& executor(GraphId graph_id, const char* op);
+  Z3Executor& z3Executor(GraphId graph_id, const char* op);
+  void resetExecutors() { executors_.clear(); }
+  bool anyExecutorHoldsGather(DsId id) const;
+
+  // Parameter registration and control (the pybind11 control API calls these).
+  struct Z3ParamSpec {
+    DsId id;
+    std::vector<int64_t> shape;
+    at::Tensor shard;
+    at::Tensor grad_target;  // numel ppr, or empty for frozen parameters
+    bool persistent;
+    std::optional<at::ScalarType> expected_grad_dtype;
+  };
+  // Validates every shard size on every rank with one collective; all ranks raise together.
+  void registerZ3Params(std::vector<Z3ParamSpec> specs);
+  void registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
+                        int64_t partition_numel);
+  void bindGradTarget(DsId id, at::Tensor target, bool zero);
+  void unbindGradTargets(const std::optional<std::vector<DsId>>& ids);
+  void setPersistent(DsId id, bool persistent);
+  // Profiling helpers: forget a gathered buffer without freeing its storage.
+  void invalidateGathered(DsId id);
+  void clearAllGathered();
+  // After an optimizer step: every gathered copy is stale.
+  void invalidateAllGathered();
+
+  void startBackward(bool update_step);
+  bool updateStep() const { return update_step_; }
+  bool profiling = false;
+
+  // Waits for all in-flight work, then drops buffers and the communicator.
+  void shutdown();
+
+ private:
+  std::unique_ptr<Lanes> lanes_;
+  std::unique_ptr<Communicator> comm_;
+  RuntimeConfig config_;
+  DSParamRegistry registry_;
+  std::unique_ptr<GradReducer> reducer_;
+  std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
+  bool update_step_ = false;
+  // The previous backward closed an accumulation window; the next one opens a new window.
+  bool window_closed_ = true;
+};
+
+// The current runtime; throws a clear error when init() has not been called.
+Runtime& currentRuntime();
+bool runtimeInitialized();
+void installRuntime(std::unique_ptr<Runtime> runtime);
+void destroyRuntime();
+
+}  // namespace deepcompile

@@ -1,0 +1,155 @@
+// The op surface: TORCH_LIBRARY(dc) schemas and their CPU, CUDA and Meta kernels.
+//
+// Argument order follows DeepSpeed's DeepCompile ops, so graph passes written against that
+// contract work. Aliasing is declared: ops that return their input say `Tensor(a) -> Tensor(a)`,
+// and free_tensors declares that it mutates its inputs. The CPU and CUDA kernels are the same
+// device-generic code: the runtime was initialized for one device, and its lanes and
+// communicator decide how work is issued; a tensor on the other device is an error.
+#include <deepcompile/runtime.h>
+
+#include <torch/library.h>
+
+namespace deepcompile {
+
+namespace {
+
+void syncIf(bool enabled) {
+  if (enabled) currentRuntime().lanes().synchronizeDevice();
+}
+
+at::Tensor allgather_param(const at::Tensor& a, int64_t graph_id, int64_t id, std::optional<at::ScalarType> dtype) {
+  Runtime& rt = currentRuntime();
+  rt.checkDevice(a, "allgather_param", "the parameter input");
+  Z3Executor& ex = rt.z3Executor(graph_id, "allgather_param");
+  syncIf(rt.config().sync_before_allgather);
+  at::Tensor out = ex.allgather(id, dtype);
+  syncIf(rt.config().sync_after_allgather);
+  return out;
+}
+
+void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
+                           std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
+  Runtime& rt = currentRuntime();
+  Z3Executor& ex = rt.z3Executor(graph_id, "prefetch_params_fused");
+  TORCH_CHECK(params.size() == ids.size(), "dc.prefetch_params_fused: ", params.size(), " params but ", ids.size(),
+              " ids");
+  TORCH_CHECK(!dtypes.has_value() || dtypes->size() == ids.size(), "dc.prefetch_params_fused: ", ids.size(),
+              " ids but ", dtypes.has_value() ? dtypes->size() : 0, " dtypes");
+  std::vector<DsId> id_list(ids.begin(), ids.end());
+  std::vector<at::ScalarType> dtype_list;
+  for (size_t i = 0; i < id_list.size(); ++i) {
+    dtype_list.push_back(dtypes.has_value() ? (*dtypes)[i]
+                                            : ex.param(id_list[i], "prefetch_params_fused").data.scalar_type());
+  }
+  ex.prefetch(id_list, dtype_list);
+}
+
+at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id) {
+  currentRuntime().z3Executor(graph_id, "wait_allgather").wait(id);
+  return a;
+}
+
+at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users) {
+  currentRuntime().z3Executor(graph_id, "release_param").release(id, n_users);
+  return a;
+}
+
+at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
+  Runtime& rt = currentRuntime();
+  rt.checkDevice(grad, "reduce_grad", "the gradient");
+  CustomOpExecutor& ex = rt.executor(graph_id, "reduce_grad");
+  // While profiling, graphs run for measurement only: nothing is reduced, no state changes.
+  if (!rt.profiling) {
+    syncIf(rt.config().sync_before_reduce);
+    ex.reduceGrad(grad, id, "reduce_grad");
+    syncIf(rt.config().sync_after_reduce);
+  }
+  return at::empty({0}, grad.options());
+}
+
+void end_backward(at::TensorList deps, int64_t graph_id, bool release_reduce_buckets) {
+  Runtime& rt = currentRuntime();
+  CustomOpExecutor& ex = rt.executor(graph_id, "end_backward");
+  if (rt.profiling) return;
+  // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
+  rt.reducer().flushAll();
+  // The optimizer reads the targets right after backward: wait for the reduce lane.
+  rt.lanes().synchronize(Lane::ReduceScatter);
+  ex.endBackward(rt.updateStep());
+  if (release_reduce_buckets) rt.reducer().releaseBuckets();
+}
+
+void free_tensors(at::TensorList tensors) {
+  Runtime& rt = currentRuntime();
+  if (rt.profiling) return;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    // The threshold is in bytes (DeepSpeed documents bytes but compared element counts).
+    if (static_cast<int64_t>(t.storage().nbytes()) <= rt.config().free_activation_threshold) continue;
+    rt.lanes().recordStream(t, rt.lanes().computeStream());
+    t.storage().unsafeGetStorageImpl()->reset();
+  }
+}
+
+// ---- Meta kernels: shapes only; they need the runtime for registered parameter shapes.
+
+at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id,
+                                std::optional<at::ScalarType> dtype) {
+  const DSParam& p = currentRuntime().registry().get(id);
+  // Without a requested dtype the result has the shard's dtype (not float32).
+  return at::empty(p.shape, a.options().dtype(dtype.value_or(p.data.scalar_type())));
+}
+
+void prefetch_params_fused_meta(int64_t, at::TensorList, at::IntArrayRef, std::optional<at::ArrayRef<at::ScalarType>>) {}
+
+at::Tensor passthrough_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
+
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
+
+at::Tensor reduce_grad_meta(const at::Tensor& grad, int64_t, int64_t) { return at::empty({0}, grad.options()); }
+
+void end_backward_meta(at::TensorList, int64_t, bool) {}
+
+void free_tensors_meta(at::TensorList) {}
+
+}  // namespace
+
+TORCH_LIBRARY(dc, m) {
+  m.def("allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor");
+  m.def("prefetch_params_fused(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None) -> ()");
+  m.def("wait_allgather(Tensor(a) a, int graph_id, int id) -> Tensor(a)");
+  m.def("release_param(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)");
+  m.def("reduce_grad(Tensor a, int graph_id, int id) -> Tensor");
+  m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()");
+  m.def("free_tensors(Tensor(a!)[] a) -> ()");
+}
+
+#define DC_REGISTER_DEVICE_KERNELS(m)                    \
+  m.impl("allgather_param", &allgather_param);           \
+  m.impl("wait_allgather", &wait_allgather);             \
+  m.impl("release_param", &release_param);               \
+  m.impl("reduce_grad", &reduce_grad);                   \
+  m.impl("free_tensors", &free_tensors)
+
+TORCH_LIBRARY_IMPL(dc, CPU, m) { DC_REGISTER_DEVICE_KERNELS(m); }
+
+TORCH_LIBRARY_IMPL(dc, CUDA, m) { DC_REGISTER_DEVICE_KERNELS(m); }
+
+// Ops whose tensor lists may be empty cannot be dispatched by device: they get a
+// device-independent kernel (the runtime knows its device).
+TORCH_LIBRARY_IMPL(dc, CompositeExplicitAutograd, m) {
+  m.impl("prefetch_params_fused", &prefetch_params_fused);
+  m.impl("end_backward", &end_backward);
+}
+
+TORCH_LIBRARY_IMPL(dc, Meta, m) {
+  m.impl("allgather_param", &allgather_param_meta);
+  m.impl("prefetch_params_fused", &prefetch_params_fused_meta);
+  m.impl("wait_allgather", &passthrough_meta);
+  m.impl("release_param", &release_param_meta);
+  m.impl("reduce_grad", &reduce_grad_meta);
+  m.impl("end_backward", &end_backward_meta);
+  m.impl("free_tensors", &free_tensors_meta);
+}
+
+}  // namespace deepcompile

@@ -1,0 +1,284 @@
+#include <deepcompile/runtime.h>
+
+#include <unordered_set>
+
+namespace deepcompile {
+
+namespace {
+
+std::unique_ptr<Runtime>& currentSlot() {
+  // Deliberately never destroyed by static destruction: tearing down NCCL and CUDA state after
+  // the CUDA runtime shut down crashes at exit. Python calls cleanup() at exit instead.
+  static auto* runtime = new std::unique_ptr<Runtime>();
+  return *runtime;
+}
+
+int64_t product(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    TORCH_CHECK(d >= 0, "deepcompile: negative dimension in parameter shape");
+    n *= d;
+  }
+  return n;
+}
+
+const char* stageName(int stage) {
+  switch (stage) {
+    case 1: return "ZeRO-1";
+    case 2: return "ZeRO-2";
+    case 3: return "ZeRO-3";
+  }
+  return "unknown stage";
+}
+
+}  // namespace
+
+Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config)
+    : lanes_(std::move(lanes)), comm_(std::move(comm)), config_(config) {
+  TORCH_CHECK(config_.reduce_bucket_size > 0, "deepcompile: reduce_bucket_size must be positive, got ",
+              config_.reduce_bucket_size);
+  TORCH_CHECK(config_.free_activation_threshold >= 0, "deepcompile: free_activation_threshold must be >= 0");
+  reducer_ = std::make_unique<GradReducer>(*this, config_.reduce_bucket_size, config_.double_buffer);
+}
+
+Runtime::~Runtime() { shutdown(); }
+
+void Runtime::shutdown() {
+  if (!comm_) return;
+  // Let in-flight collectives and copies finish before their buffers go away.
+  for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
+  registry_.forEach([](DSParam& p) {
+    if (p.gather_done) p.gather_done->hostWait();
+  });
+  executors_.clear();
+  reducer_.reset();
+  registry_.clear();
+  comm_.reset();
+}
+
+void Runtime::checkDevice(const at::Tensor& tensor, const char* op, const char* what) const {
+  TORCH_CHECK(tensor.defined(), "dc.", op, ": ", what, " is undefined");
+  TORCH_CHECK(tensor.device().type() == device().type(), "dc.", op, ": ", what, " is on ", tensor.device(),
+              " but the deepcompile runtime was initialized for ", device());
+}
+
+void Runtime::registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage) {
+  TORCH_CHECK(stage >= 1 && stage <= 3, "deepcompile: register_graph: stage must be 1, 2 or 3, got ", stage);
+  for (DsId id : ids) {
+    const DSParam& p = registry_.get(id);
+    TORCH_CHECK(p.partitioned == (stage == 3), "deepcompile: register_graph: ds id ", id, " was registered as a ",
+                p.partitioned ? "ZeRO-3 (partitioned)" : "ZeRO-1/2 (replicated)", " parameter and cannot be used in a ",
+                stageName(stage), " graph");
+  }
+  std::unique_ptr<CustomOpExecutor> executor;
+  switch (stage) {
+    case 1: executor = std::make_unique<Z1Executor>(*this, graph_id, ids); break;
+    case 2: executor = std::make_unique<Z2Executor>(*this, graph_id, ids); break;
+    default: executor = std::make_unique<Z3Executor>(*this, graph_id, ids); break;
+  }
+  executors_[graph_id] = std::move(executor);
+}
+
+CustomOpExecutor& Runtime::executor(GraphId graph_id, const char* op) {
+  auto it = executors_.find(graph_id);
+  TORCH_CHECK(it != executors_.end(), "dc.", op, ": graph id ", graph_id,
+              " is not registered (register_graph was not called for it, or the runtime was reset)");
+  return *it->second;
+}
+
+Z3Executor& Runtime::z3Executor(GraphId graph_id, const char* op) {
+  CustomOpExecutor& ex = executor(graph_id, op);
+  auto* z3 = dynamic_cast<Z3Executor*>(&ex);
+  TORCH_CHECK(z3 != nullptr, "dc.", op, " needs a ZeRO-3 executor, but graph id ", graph_id, " was registered for ",
+              stageName(ex.stage()));
+  return *z3;
+}
+
+bool Runtime::anyExecutorHoldsGather(DsId id) const {
+  for (const auto& kv : executors_) {
+    if (kv.second->holdsGather(id)) return true;
+  }
+  return false;
+}
+
+void Runtime::startBackward(bool update_step) {
+  // A backward after an update step opens a new accumulation window: the first reduction of
+  // each parameter in it overwrites the target, later ones (micro-steps, other graphs) add.
+  if (window_closed_) {
+    registry_.forEach([](DSParam& p) { p.has_acc_grad = false; });
+  }
+  window_closed_ = update_step;
+  update_step_ = update_step;
+}
+
+void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
+  const int world = comm_->size();
+  // Local validation first; the verdict is exchanged so that a bad shard on one rank makes every
+  // rank raise (instead of the others hanging in, or corrupting, a later collective).
+  int64_t bad_index = -1;
+  int64_t bad_numel = 0;
+  std::string local_error;
+  std::unordered_set<DsId> seen;
+  for (size_t i = 0; i < specs.size() && bad_index < 0; ++i) {
+    const Z3ParamSpec& s = specs[i];
+    const int64_t ppr = ceilDiv(product(s.shape), world);
+    if (!seen.insert(s.id).second) {
+      local_error = "ds id " + std::to_string(s.id) + " appears twice in one registration";
+    } else if (!s.shard.defined() || s.shard.numel() != ppr) {
+      bad_numel = s.shard.defined() ? s.shard.numel() : -1;
+      local_error = "shard of ds id " + std::to_string(s.id) + " has " + std::to_string(bad_numel) +
+                    " elements, expected ceil(numel / world) = " + std::to_string(ppr);
+    } else if (s.shard.device().type() != device().type()) {
+      local_error = "shard of ds id " + std::to_string(s.id) + " is not on the runtime's device";
+    } else if (s.grad_target.defined() && s.grad_target.numel() != 0 &&
+               (s.grad_target.numel() != ppr || !s.grad_target.is_contiguous())) {
+      local_error = "gradient target of ds id " + std::to_string(s.id) + " has " +
+                    std::to_string(s.grad_target.numel()) + " elements (or is not contiguous), expected " +
+                    std::to_string(ppr);
+    }
+    if (!local_error.empty()) bad_index = static_cast<int64_t>(i);
+  }
+  const std::vector<int64_t> all =
+      comm_->allGatherInts({static_cast<int64_t>(specs.size()), bad_index});
+  for (int r = 0; r < world; ++r) {
+    TORCH_CHECK(all[2 * r] == static_cast<int64_t>(specs.size()), "deepcompile: ZeRO-3 registration: rank ", r,
+                " registers ", all[2 * r], " parameters in this call, rank ", comm_->rank(), " registers ",
+                specs.size());
+  }
+  TORCH_CHECK(local_error.empty(), "deepcompile: ZeRO-3 registration error on rank ", comm_->rank(), ": ",
+              local_error);
+  for (int r = 0; r < world; ++r) {
+    TORCH_CHECK(all[2 * r + 1] < 0, "deepcompile: ZeRO-3 registration error on rank ", r, " (parameter #",
+                all[2 * r + 1], " of the batch, ds id ", specs.at(all[2 * r + 1]).id,
+                "): shard size does not match; no parameter of this batch was registered");
+  }
+  for (Z3ParamSpec& s : specs) {
+    if (registry_.contains(s.id)) freeGathered(*this, registry_.get(s.id));
+    DSParam p;
+    p.id = s.id;
+    p.shape = s.shape;
+    p.numel = product(s.shape);
+    p.world = world;
+    p.partitioned = true;
+    p.data = s.shard;
+    p.ppr = ceilDiv(p.numel, world);
+    p.persistent = s.persistent;
+    p.expected_grad_dtype = s.expected_grad_dtype;
+    if (s.grad_target.defined() && s.grad_target.numel() != 0) {
+      p.grad_target = s.grad_target;
+      p.grad_target.zero_();
+    }
+    // A persistent parameter is not gathered at registration: it is gathered on first use and
+    // then kept (registering the shard itself as "gathered" breaks the second gather).
+    registry_.add(std::move(p));
+  }
+}
+
+void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
+                               int64_t partition_numel) {
+  const int64_t numel = product(shape);
+  TORCH_CHECK(param.defined() && param.numel() == numel, "deepcompile: register_z12_param: ds id ", id,
+              ": parameter has ", param.defined() ? param.numel() : -1, " elements, shape says ", numel);
+  TORCH_CHECK(group_offset >= 0 && partition_numel >= 0 &&
+                  group_offset + numel <= partition_numel * static_cast<int64_t>(comm_->size()),
+              "deepcompile: register_z12_param: ds id ", id, " at offset ", group_offset, " with ", numel,
+              " elements does not fit in ", comm_->size(), " partitions of ", partition_numel, " elements");
+  checkDevice(param, "register_z12_param", "the parameter");
+  if (registry_.contains(id)) freeGathered(*this, registry_.get(id));
+  DSParam p;
+  p.id = id;
+  p.shape = std::move(shape);
+  p.numel = numel;
+  p.world = comm_->size();
+  p.partitioned = false;
+  p.data = param;
+  p.group_offset = group_offset;
+  p.partition_numel = partition_numel;
+  registry_.add(std::move(p));
+}
+
+void Runtime::bindGradTarget(DsId id, at::Tensor target, bool zero) {
+  DSParam& p = registry_.get(id);
+  const int64_t expected = p.localGradNumel(comm_->rank());
+  TORCH_CHECK(target.defined() && target.numel() == expected, "deepcompile: bind_grad_target: ds id ", id,
+              " needs a target of ", expected, " elements on rank ", comm_->rank(), ", got ",
+              target.defined() ? target.numel() : -1);
+  TORCH_CHECK(target.is_contiguous(), "deepcompile: bind_grad_target: the target of ds id ", id,
+              " must be contiguous (collectives write into it directly)");
+  checkDevice(target, "bind_grad_target", "the gradient target");
+  if (zero) target.zero_();
+  p.grad_target = std::move(target);
+  p.has_acc_grad = false;
+}
+
+void Runtime::unbindGradTargets(const std::optional<std::vector<DsId>>& ids) {
+  TORCH_CHECK(reducer_->pendingTasks() == 0, "deepcompile: cannot unbind gradient targets while ",
+              reducer_->pendingTasks(), " reductions are pending (end_backward first)");
+  if (ids.has_value()) {
+    for (DsId id : *ids) registry_.get(id).grad_target = at::Tensor();
+  } else {
+    registry_.forEach([](DSParam& p) { p.grad_target = at::Tensor(); });
+  }
+}
+
+void Runtime::setPersistent(DsId id, bool persistent) {
+  DSParam& p = registry_.get(id);
+  TORCH_CHECK(p.partitioned, "deepcompile: set_persistent: ds id ", id, " is not a ZeRO-3 parameter");
+  p.persistent = persistent;
+  if (persistent) {
+    // Gather now, in the shard dtype: allocating persistent buffers early limits fragmentation.
+    if (!(p.valid && p.gathered.defined())) launchGathers(*this, {&p}, {p.data.scalar_type()});
+  } else if (!anyExecutorHoldsGather(id)) {
+    freeGathered(*this, p);
+  }
+}
+
+void Runtime::invalidateGathered(DsId id) {
+  DSParam& p = registry_.get(id);
+  if (p.persistent) return;
+  if (p.gather_done) p.gather_done->hostWait();
+  p.gathered = at::Tensor();
+  p.valid = false;
+  p.gather_done = nullptr;
+}
+
+void Runtime::clearAllGathered() {
+  registry_.forEach([this](DSParam& p) {
+    if (p.partitioned) invalidateGathered(p.id);
+  });
+}
+
+void Runtime::invalidateAllGathered() {
+  registry_.forEach([this](DSParam& p) {
+    if (!p.partitioned) return;
+    if (p.persistent) {
+      p.valid = false;  // keep the buffer; the next gather refills it
+    } else if (p.gathered.defined() && !anyExecutorHoldsGather(p.id)) {
+      freeGathered(*this, p);
+    }
+  });
+}
+
+Runtime& currentRuntime() {
+  auto& slot = currentSlot();
+  TORCH_CHECK(slot != nullptr,
+              "deepcompile runtime is not initialized: call deepcompile.runtime.init(process_group, ...) first");
+  return *slot;
+}
+
+bool runtimeInitialized() { return currentSlot() != nullptr; }
+
+void installRuntime(std::unique_ptr<Runtime> runtime) {
+  destroyRuntime();
+  currentSlot() = std::move(runtime);
+}
+
+void destroyRuntime() {
+  auto& slot = currentSlot();
+  if (slot) {
+    slot->shutdown();
+    slot.reset();
+  }
+}
+
+}  // namespace deepcompile

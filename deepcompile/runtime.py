@@ -1,0 +1,294 @@
+"""Typed Python face of the C++ runtime (``deepcompile._C``).
+
+The runtime owns everything the graph ops need between calls: the communicator, the five lanes,
+the parameter registry, the reduce buckets and one executor per compiled graph. This module is a
+thin layer over the pybind11 control API: it converts Python values (process groups, dtypes,
+configs) and documents the contract. Graph code never calls it at run time; it only emits
+``torch.ops.dc.*`` nodes, which reach the same runtime object.
+
+Parameter layouts the runtime understands:
+
+* ZeRO-3 (``register_z3_params``): a parameter of ``numel`` elements is flattened, padded to
+  ``world * ppr`` with ``ppr = ceil(numel / world)`` and rank ``r`` holds elements
+  ``[r * ppr, (r + 1) * ppr)`` as its shard. Its gradient target is this rank's ``ppr``-element
+  slice of the averaged gradient (padding tail included, always zero).
+* ZeRO-1/2 (``register_z12_param``): parameters stay replicated. Each parameter group is one flat
+  vector padded to ``world * partition_numel``; a parameter occupies ``[group_offset,
+  group_offset + numel)`` of it and rank ``r`` owns ``[r * partition_numel, (r + 1) *
+  partition_numel)``. The gradient target bound with ``bind_grad_target`` is this rank's part of the
+  parameter's averaged gradient (possibly empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from deepcompile import _C  # noqa: F401  (loading the library registers torch.ops.dc)
+
+__all__ = [
+    "RuntimeConfig",
+    "init",
+    "cleanup",
+    "reset",
+    "is_initialized",
+    "register_z3_params",
+    "register_z3_param",
+    "register_z12_param",
+    "bind_grad_target",
+    "unbind_grad_targets",
+    "register_graph",
+    "set_persistent",
+    "start_forward",
+    "end_forward",
+    "start_backward",
+    "enable_profiling",
+    "is_profiling",
+    "invalidate_gathered_param",
+    "clear_all_gathered_params",
+    "invalidate_all_gathered",
+    "is_gathered",
+    "is_persistent",
+    "gathered_buffer",
+    "pending_reduce_tasks",
+    "reduce_bucket_numel",
+    "holds_grad_target",
+    "world_size",
+    "rank",
+]
+
+STAGES = (1, 2, 3)
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    """Settings the C++ runtime reads at ``init``.
+
+    ``reduce_bucket_size`` is in elements (as DeepSpeed's ``reduce_bucket_size``);
+    ``free_activation_threshold`` is in bytes (DeepSpeed documents bytes but compares elements).
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    double_buffer: bool = True
+    free_activation_threshold: int = 10 * 1024 * 1024
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+
+    def __post_init__(self) -> None:
+        if int(self.reduce_bucket_size) <= 0:
+            raise ValueError(
+                f"reduce_bucket_size must be a positive number of elements, got {self.reduce_bucket_size}"
+            )
+        if int(self.free_activation_threshold) < 0:
+            raise ValueError(
+                "free_activation_threshold must be a non-negative number of bytes, "
+                f"got {self.free_activation_threshold}"
+            )
+
+
+def _device_type_for(group: dist.ProcessGroup, device: Optional[str]) -> str:
+    if device is not None:
+        device = torch.device(device).type
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        return device
+    backend = dist.get_backend(group)
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def init(
+    process_group: Optional[dist.ProcessGroup] = None,
+    config: Optional[RuntimeConfig] = None,
+    device: Optional[str] = None,
+) -> None:
+    """Create (or re-create) the runtime over ``process_group`` (default: the world group).
+
+    ``device='cuda'`` builds a private NCCL communicator whose unique id is broadcast through the
+    group, and runs communication on dedicated CUDA streams. ``device='cpu'`` communicates through
+    the process group itself (gloo). Calling ``init`` again first cleans up the previous runtime.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("deepcompile.runtime.init needs torch.distributed to be initialized first")
+    group = process_group if process_group is not None else dist.group.WORLD
+    config = config if config is not None else RuntimeConfig()
+    device_type = _device_type_for(group, device)
+    device_index = torch.cuda.current_device() if device_type == "cuda" else -1
+    _C.init(
+        group,
+        device_type,
+        device_index,
+        int(config.reduce_bucket_size),
+        bool(config.double_buffer),
+        int(config.free_activation_threshold),
+        [
+            bool(config.sync_before_reduce),
+            bool(config.sync_after_reduce),
+            bool(config.sync_before_allgather),
+            bool(config.sync_after_allgather),
+        ],
+    )
+
+
+def cleanup() -> None:
+    """Drop all runtime state (registry, buckets, executors, communicator). Safe to call twice."""
+    _C.cleanup()
+
+
+def reset() -> None:
+    """Drop all executors (graph state). Registry, persistent gathers and buckets survive."""
+    _C.reset()
+
+
+def is_initialized() -> bool:
+    return _C.is_initialized()
+
+
+def world_size() -> int:
+    return _C.world_size()
+
+
+def rank() -> int:
+    return _C.rank()
+
+
+def register_z3_params(
+    ds_ids: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    shards: Sequence[torch.Tensor],
+    grad_targets: Sequence[Optional[torch.Tensor]],
+    persistent: Optional[Sequence[bool]] = None,
+    expected_grad_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+) -> None:
+    """Register ZeRO-3 parameters in one batch (one collective validates all shard sizes).
+
+    Every rank must call this with the same ids and shapes. A shard whose numel is not
+    ``ceil(numel / world)`` on any rank makes every rank raise, instead of later collectives
+    hanging or corrupting memory.
+    """
+    n = len(ds_ids)
+    persistent = list(persistent) if persistent is not None else [False] * n
+    expected = list(expected_grad_dtypes) if expected_grad_dtypes is not None else [None] * n
+    if not (len(shapes) == len(shards) == len(grad_targets) == len(persistent) == len(expected) == n):
+        raise ValueError("register_z3_params: all argument lists must have the same length")
+    targets = [t if t is not None else torch.empty(0, dtype=s.dtype, device=s.device) for t, s in zip(grad_targets, shards)]
+    _C.register_z3_params(
+        [int(i) for i in ds_ids],
+        [[int(d) for d in s] for s in shapes],
+        list(shards),
+        targets,
+        [bool(p) for p in persistent],
+        expected,
+    )
+
+
+def register_z3_param(
+    ds_id: int,
+    shape: Sequence[int],
+    shard: torch.Tensor,
+    grad_target: Optional[torch.Tensor] = None,
+    persistent: bool = False,
+    expected_grad_dtype: Optional[torch.dtype] = None,
+) -> None:
+    register_z3_params([ds_id], [shape], [shard], [grad_target], [persistent], [expected_grad_dtype])
+
+
+def register_z12_param(
+    ds_id: int, shape: Sequence[int], param: torch.Tensor, group_offset: int, partition_numel: int
+) -> None:
+    """Register a replicated ZeRO-1/2 parameter at ``group_offset`` of its group's flat vector.
+
+    It starts with no gradient target: bind one with ``bind_grad_target`` before the backward
+    that reduces it.
+    """
+    _C.register_z12_param(int(ds_id), [int(d) for d in shape], param, int(group_offset), int(partition_numel))
+
+
+def bind_grad_target(ds_id: int, target: torch.Tensor, zero: bool = True) -> None:
+    """Point parameter ``ds_id``'s reduced gradient at ``target`` (zeroed unless ``zero=False``).
+
+    The numel must equal this rank's part of the parameter (ZeRO-3: ``ppr``; ZeRO-1/2: the
+    overlap of the parameter with this rank's partition).
+    """
+    _C.bind_grad_target(int(ds_id), target, bool(zero))
+
+
+def unbind_grad_targets(ds_ids: Optional[Iterable[int]] = None) -> None:
+    """Drop the runtime's references to gradient targets (all, or those of ``ds_ids``)."""
+    _C.unbind_grad_targets([int(i) for i in ds_ids] if ds_ids is not None else None)
+
+
+def register_graph(graph_id: int, ds_ids: Sequence[int], stage: int) -> None:
+    """Create the executor of ``graph_id`` for ZeRO ``stage``, replacing any previous one."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    _C.register_graph(int(graph_id), [int(i) for i in ds_ids], int(stage))
+
+
+def set_persistent(ds_id: int, persistent: bool = True) -> None:
+    """Keep parameter ``ds_id`` gathered across releases (selective unsharding)."""
+    _C.set_persistent(int(ds_id), bool(persistent))
+
+
+def start_forward() -> None:
+    _C.start_forward()
+
+
+def end_forward() -> None:
+    _C.end_forward()
+
+
+def start_backward(update: bool) -> None:
+    """Announce a backward; ``update`` is True on the last micro-step of an accumulation window."""
+    _C.start_backward(bool(update))
+
+
+def enable_profiling(enabled: bool) -> None:
+    _C.enable_profiling(bool(enabled))
+
+
+def is_profiling() -> bool:
+    return _C.is_profiling()
+
+
+def invalidate_gathered_param(ds_id: int) -> None:
+    _C.invalidate_gathered_param(int(ds_id))
+
+
+def clear_all_gathered_params() -> None:
+    _C.clear_all_gathered_params()
+
+
+def invalidate_all_gathered() -> None:
+    """Mark every gathered parameter stale (after an optimizer step changed the shards)."""
+    _C.invalidate_all_gathered()
+
+
+def is_gathered(ds_id: int) -> bool:
+    return _C.is_gathered(int(ds_id))
+
+
+def is_persistent(ds_id: int) -> bool:
+    return _C.is_persistent(int(ds_id))
+
+
+def gathered_buffer(ds_id: int) -> Optional[torch.Tensor]:
+    """The flat padded buffer the registry holds for ``ds_id`` (None when released)."""
+    return _C.gathered_buffer(int(ds_id))
+
+
+def pending_reduce_tasks() -> int:
+    return _C.pending_reduce_tasks()
+
+
+def reduce_bucket_numel() -> int:
+    """Elements currently allocated in reduce buckets (all dtypes, both buffers)."""
+    return _C.reduce_bucket_numel()
+
+
+def holds_grad_target(ds_id: int) -> bool:
+    return _C.holds_grad_target(int(ds_id))
