@@ -21,6 +21,7 @@ Parameter layouts the runtime understands:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
@@ -142,6 +143,16 @@ def cleanup() -> None:
 def reset() -> None:
     """Drop all executors (graph state). Registry, persistent gathers and buckets survive."""
     _C.reset()
+
+
+def _cleanup_at_exit() -> None:
+    # The C++ runtime is never torn down by static destructors (NCCL and CUDA may already be
+    # gone then); release it while the interpreter still runs.
+    if _C.is_initialized():
+        _C.cleanup()
+
+
+atexit.register(_cleanup_at_exit)
 
 
 def is_initialized() -> bool:

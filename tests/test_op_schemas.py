@@ -1,0 +1,263 @@
+"""Single-process checks of the ``torch.ops.dc`` op surface: schemas (alias / mutation
+annotations, ARCHITECTURE.md §3 "schemas say the truth", DS gap 15), ``torch.library.opcheck``,
+and the fake / meta kernels (DS gap 7: the fake result of allgather_param without dtype was
+float32 whatever the parameter dtype).
+
+The runtime needs a process group even here: a 1-rank gloo group is created for the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from deepcompile import runtime
+from deepcompile.runtime import RuntimeConfig
+
+ops = torch.ops.dc
+GRAPH = 7
+THRESHOLD_BYTES = 64
+
+# The op contract (namespace dc). Compared as parsed schemas, so whitespace does not matter but
+# names, types, defaults and alias annotations do.
+EXPECTED_SCHEMAS = {
+    "allgather_param": "(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor",
+    "prefetch_params_fused": "(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None) -> ()",
+    "wait_allgather": "(Tensor(a) a, int graph_id, int id) -> Tensor(a)",
+    "release_param": "(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)",
+    "reduce_grad": "(Tensor a, int graph_id, int id) -> Tensor",
+    "end_backward": "(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()",
+    "free_tensors": "(Tensor(a!)[] a) -> ()",
+}
+
+# Only the two checks every op here can take part in. Not used, and why:
+# * test_autograd_registration: the ops are inserted into the forward/backward graphs after AOT
+#   autograd partitioned them and never see inputs that require grad; the util only does
+#   something for requires_grad inputs.
+# * test_aot_dispatch_dynamic: runs the op through functionalization + torch.compile as a
+#   user-visible op; these ops act on runtime state (a gather changes the registry, a reduce
+#   queues a task) and are never traced by AOT autograd, so the eager-vs-compiled comparison
+#   does not describe how they are used.
+OPCHECK_UTILS = ("test_schema", "test_faketensor")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    created = False
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        created = True
+    yield dist.group.WORLD
+    runtime.cleanup()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def rt(process_group):
+    """A fresh 1-rank runtime (CPU) per test."""
+    runtime.init(
+        process_group,
+        RuntimeConfig(reduce_bucket_size=1024, free_activation_threshold=THRESHOLD_BYTES),
+        device="cpu",
+    )
+    yield
+    runtime.cleanup()
+
+
+def _register_z3(ds_id, shape, dtype=torch.float32, persistent=False, graph_id=GRAPH):
+    """One ZeRO-3 param on 1 rank (the shard is the whole flat param) in a stage-3 graph."""
+    g = torch.Generator().manual_seed(ds_id)
+    full = torch.randn(shape, generator=g).to(dtype)
+    shard = full.reshape(-1).clone()
+    target = torch.zeros(shard.numel(), dtype=dtype)
+    runtime.register_z3_param(ds_id, shape, shard, target, persistent=persistent)
+    runtime.register_graph(graph_id, [ds_id], 3)
+    return full, shard, target
+
+
+# ----------------------------------------------------------------------------------------------
+# schemas
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SCHEMAS))
+def test_schema(name):
+    assert hasattr(ops, name), f"torch.ops.dc.{name} is not registered"
+    got = getattr(ops, name).default._schema
+    want = torch._C.parse_schema(f"dc::{name}{EXPECTED_SCHEMAS[name]}")
+    assert got == want, f"\n got: {got}\nwant: {want}"
+
+
+def test_alias_annotations():
+    """Spelled out: outputs that are an input say so with (a); free_tensors declares (a!)."""
+
+    def alias(arg_or_ret):
+        info = arg_or_ret.alias_info
+        return None if info is None else (sorted(info.before_set), info.is_write)
+
+    for name in ("wait_allgather", "release_param"):
+        s = getattr(ops, name).default._schema
+        assert alias(s.arguments[0]) == (["a"], False), f"{name}: input must be Tensor(a)"
+        assert alias(s.returns[0]) == (["a"], False), f"{name}: output must be Tensor(a)"
+    s = ops.free_tensors.default._schema
+    # For a list the set name sits on the element type; the list itself carries is_write.
+    assert s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write, (
+        "free_tensors must declare Tensor(a!)[]"
+    )
+    assert "Tensor(a!)[]" in str(s)
+    for name in ("allgather_param", "reduce_grad"):
+        s = getattr(ops, name).default._schema
+        assert all(alias(a) is None for a in s.arguments), f"{name}: no input aliasing/mutation declared"
+        assert alias(s.returns[0]) is None, f"{name}: output is a fresh tensor as far as inputs go"
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck
+# ----------------------------------------------------------------------------------------------
+
+
+def test_opcheck_allgather_param(rt):
+    full, shard, _ = _register_z3(3, (5, 3))
+    torch.library.opcheck(ops.allgather_param.default, (shard, GRAPH, 3), test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(
+        ops.allgather_param.default, (shard, GRAPH, 3), {"dtype": torch.bfloat16}, test_utils=OPCHECK_UTILS
+    )
+    out = ops.allgather_param(shard, GRAPH, 3)
+    assert torch.equal(out, full)
+
+
+def test_opcheck_prefetch_params_fused(rt):
+    full, shard, _ = _register_z3(3, (5, 3))
+    torch.library.opcheck(ops.prefetch_params_fused.default, (GRAPH, [shard], [3]), test_utils=OPCHECK_UTILS)
+    assert runtime.is_gathered(3)
+
+
+def test_opcheck_wait_allgather(rt):
+    full, shard, _ = _register_z3(3, (5, 3))
+    out = ops.allgather_param(shard, GRAPH, 3)
+    torch.library.opcheck(ops.wait_allgather.default, (out, GRAPH, 3), test_utils=OPCHECK_UTILS)
+
+
+def test_opcheck_release_param(rt):
+    # A persistent param: opcheck calls the op several times, and releasing a persistent param is
+    # a complete (non-freeing) episode every time, so the call count does not matter.
+    full, shard, _ = _register_z3(3, (5, 3), persistent=True)
+    out = ops.wait_allgather(ops.allgather_param(shard, GRAPH, 3), GRAPH, 3)
+    consumer = out * 2
+    torch.library.opcheck(ops.release_param.default, (consumer, GRAPH, 3, 1), test_utils=OPCHECK_UTILS)
+    assert torch.equal(out, full)
+
+
+def test_opcheck_reduce_grad_and_end_backward(rt):
+    _register_z3(3, (5, 3))
+    runtime.start_backward(True)
+    grad = torch.randn(5, 3)
+    torch.library.opcheck(ops.reduce_grad.default, (grad, GRAPH, 3), test_utils=OPCHECK_UTILS)
+    dep = ops.reduce_grad(grad, GRAPH, 3)
+    torch.library.opcheck(ops.end_backward.default, ([dep], GRAPH, True), test_utils=OPCHECK_UTILS)
+    assert runtime.pending_reduce_tasks() == 0
+
+
+def test_opcheck_free_tensors(rt):
+    # Only tensors below the threshold: test_schema compares every input before/after the call,
+    # and reading a tensor whose storage was freed (0 bytes) is undefined (it segfaults). Freeing
+    # itself is covered by test_ops_multirank.py::test_free_tensors_threshold_in_bytes.
+    #
+    # opcheck runs the op on copies made by clone_input, which places each tensor inside a larger
+    # storage (offset and padding). The threshold is on the tensor's byte size, so those copies
+    # must be kept too; checked directly first, since a wrongly freed input would make
+    # SchemaCheckMode read freed memory and kill the test process instead of failing.
+    base = torch.randn(100)  # 400 B storage
+    view = base[10:14]  # a 16 B tensor in it
+    ops.free_tensors([view])
+    kept = base.untyped_storage().nbytes()  # an int: a failing assert must not print freed tensors
+    del base, view
+    assert kept == 400, "free_tensors freed a 16-byte tensor (threshold 64 B) because its storage is larger"
+    small = [torch.randn(4), torch.ones(8, dtype=torch.int8)]
+    torch.library.opcheck(ops.free_tensors.default, (small,), test_utils=OPCHECK_UTILS)
+    sizes = [t.untyped_storage().nbytes() for t in small]
+    assert all(n > 0 for n in sizes), sizes
+
+
+def test_end_backward_without_tensor_deps(rt):
+    """A backward graph's dependency list can be empty at run time; the op must still dispatch
+    (DeepSpeed bound end_backward to the Undefined key for this)."""
+    _register_z3(3, (5, 3))
+    runtime.start_backward(True)
+    ops.end_backward([], GRAPH, True)
+    assert runtime.pending_reduce_tasks() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# fake / meta kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fake_allgather_uses_shard_dtype(rt):
+    """DS gap 7: without dtype the fake result must have the shard's dtype (bf16), not float32."""
+    _register_z3(4, (3, 5), dtype=torch.bfloat16)
+    with FakeTensorMode():
+        placeholder = torch.empty(0, dtype=torch.bfloat16)
+        out = ops.allgather_param(placeholder, GRAPH, 4)
+        assert tuple(out.shape) == (3, 5)
+        assert out.dtype == torch.bfloat16
+        up = ops.allgather_param(placeholder, GRAPH, 4, torch.float32)
+        assert tuple(up.shape) == (3, 5) and up.dtype == torch.float32
+    assert not runtime.is_gathered(4), "the fake kernel started a real gather"
+
+
+def test_meta_allgather_uses_shard_dtype(rt):
+    _register_z3(4, (3, 5), dtype=torch.bfloat16)
+    out = ops.allgather_param(torch.empty(0, dtype=torch.bfloat16, device="meta"), GRAPH, 4)
+    assert out.device.type == "meta" and tuple(out.shape) == (3, 5) and out.dtype == torch.bfloat16
+    assert not runtime.is_gathered(4)
+
+
+def test_fake_allgather_unknown_id_raises(rt):
+    _register_z3(4, (3, 5))
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match=r"(?i)(ds.?id|param|unknown|not registered|not found|graph)"):
+            ops.allgather_param(torch.empty(0), GRAPH, 12345)
+
+
+def test_meta_reduce_grad_is_empty(rt):
+    _register_z3(3, (5, 3))
+    runtime.start_backward(True)
+    out = ops.reduce_grad(torch.empty(5, 3, dtype=torch.bfloat16, device="meta"), GRAPH, 3)
+    assert out.device.type == "meta" and out.numel() == 0 and out.dtype == torch.bfloat16
+    with FakeTensorMode():
+        out = ops.reduce_grad(torch.empty(5, 3), GRAPH, 3)
+        assert out.numel() == 0 and out.dtype == torch.float32
+    assert runtime.pending_reduce_tasks() == 0, "a fake/meta reduce_grad queued a real reduction"
+
+
+def test_fake_kernels_have_no_side_effects(rt):
+    """Tracing must not touch runtime state: no gather, no release countdown, no freeing."""
+    full, shard, _ = _register_z3(3, (5, 3))
+    with FakeTensorMode():
+        p = torch.empty(0)
+        ops.prefetch_params_fused(GRAPH, [p], [3])
+        g = ops.allgather_param(p, GRAPH, 3)
+        w = ops.wait_allgather(g, GRAPH, 3)
+        assert tuple(w.shape) == (5, 3)
+        r = ops.release_param(w, GRAPH, 3, 1)
+        assert tuple(r.shape) == (5, 3)
+        big = torch.empty(1024)
+        ops.free_tensors([big])
+        ops.end_backward([r], GRAPH, True)
+    assert not runtime.is_gathered(3)
+    # The release countdown was not armed by the fake release: a real episode with 2 users
+    # frees only at its second release.
+    out = ops.wait_allgather(ops.allgather_param(shard, GRAPH, 3), GRAPH, 3)
+    assert torch.equal(out, full)
+    ops.release_param(out, GRAPH, 3, 2)
+    first = out.untyped_storage().nbytes()
+    ops.release_param(out, GRAPH, 3, 2)
+    second = out.untyped_storage().nbytes()
+    del out  # (never printed by a failing assert: its storage may be freed)
+    assert first > 0, "the first of two releases freed: the fake release armed the countdown"
+    assert second == 0, "the second of two releases did not free"
