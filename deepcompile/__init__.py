@@ -1,5 +1,12 @@
-"""deepcompile: ZeRO-1/2/3 sharded data parallelism through torch.compile graph rewriting."""
+"""deepcompile: ZeRO-1/2/3 sharded data parallelism through torch.compile graph rewriting.
+
+    engine = deepcompile.initialize(model, optimizer, config)
+    engine.compile()                      # optional; without it the engine trains eagerly
+    loss = engine(batch); engine.backward(loss); engine.step()
+"""
 
 from deepcompile import runtime  # noqa: F401  (loads the op library: torch.ops.dc.*)
+from deepcompile.config import Config
+from deepcompile.engine import Engine, initialize
 
-__all__ = ["runtime"]
+__all__ = ["Config", "Engine", "initialize", "runtime"]

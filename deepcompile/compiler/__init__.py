@@ -1,0 +1,1 @@
+"""The torch.compile backend: aot_autograd glue, partitioner and graph bookkeeping."""

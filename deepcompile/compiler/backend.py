@@ -1,0 +1,106 @@
+"""The "deepcompile" torch.compile backend.
+
+For each graph Dynamo captures, the backend assigns a fresh graph id (monotonic, never reused,
+unlike ``id(gm.graph)``), registers an executor for the partitioned parameters the graph takes as
+inputs, and runs aot_autograd with:
+  * a partitioner that never saves gathered parameters for backward (compiler/partitioner.py);
+  * a forward compiler that inserts gather/release (passes/zero3.py) and then hands the graph to
+    the inner compiler (FX execution for "eager", Inductor for "inductor");
+  * a backward compiler that re-gathers, reduces parameter gradients and returns None for them.
+The forward and backward compilers of one graph are closures over the same graph id and input
+slots, which is how the two halves are paired; a recompile of the same frame is a new graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx import GraphModule, Node
+
+from deepcompile import runtime
+from deepcompile.compiler.partitioner import make_partition_fn
+from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
+
+log = logging.getLogger(__name__)
+
+
+class GraphRecord:
+    """What the backend knows about one captured graph."""
+
+    def __init__(self, graph_id: int, param_slots: Dict[int, int]):
+        self.graph_id = graph_id
+        self.param_slots = param_slots  # Dynamo input index -> ds id
+        self.fw_param_names: Dict[str, int] = {}  # forward placeholder name -> ds id
+        self.needs_backward = False
+
+
+def _input_placeholders(gm: GraphModule) -> List[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+class DeepCompileBackend:
+    """Callable handed to torch.compile; one instance per engine."""
+
+    def __init__(self, engine: Any, inner: str = "inductor"):
+        if inner not in ("inductor", "eager"):
+            raise ValueError(f"inner compiler must be 'inductor' or 'eager', got {inner!r}")
+        self.engine = engine
+        self.inner = inner
+        self.graphs: List[GraphRecord] = []
+        self._next_graph_id = itertools.count(1)  # 0 serves eager frames
+        self._ds_id_of = {id(sp.param): sp.ds_id for sp in engine.params}
+
+    def __call__(self, gm: GraphModule, example_inputs: List[Any]):
+        slots = {i: self._ds_id_of[id(t)] for i, t in enumerate(example_inputs) if id(t) in self._ds_id_of}
+        record = GraphRecord(next(self._next_graph_id), slots)
+        self.graphs.append(record)
+        runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=3)
+        partition = make_partition_fn(min_cut_rematerialization_partition, set(slots))
+        fw = functools.partial(self._compile_forward, record)
+        bw = functools.partial(self._compile_backward, record)
+        kwargs: Dict[str, Any] = dict(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw, partition_fn=partition)
+        if self.inner == "inductor":
+            from torch._inductor.decomposition import select_decomp_table
+
+            kwargs["decompositions"] = select_decomp_table()
+        return aot_autograd(**kwargs)(gm, example_inputs)
+
+    # ---- halves ------------------------------------------------------------------------------
+
+    def _compile_forward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
+        placeholders = _input_placeholders(gm)
+        params: Dict[Node, int] = {}
+        for index, ds_id in record.param_slots.items():
+            node = placeholders[index]
+            params[node] = ds_id
+            record.fw_param_names[node.name] = ds_id
+        insert_gather_release(gm, record.graph_id, params)
+        gm.recompile()
+        return self._inner_compile(gm, inputs, is_backward=False)
+
+    def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
+        record.needs_backward = True
+        params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
+        insert_gather_release(gm, record.graph_id, params)
+        insert_reductions(gm, record.graph_id, record.param_slots)
+        gm.recompile()
+        return self._inner_compile(gm, inputs, is_backward=True)
+
+    def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
+        if self.inner == "eager":
+            from functorch.compile import make_boxed_func
+
+            return make_boxed_func(gm.forward)
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner(gm, inputs, is_backward=is_backward)
+
+
+def make_backend(engine: Any, inner: str = "inductor") -> DeepCompileBackend:
+    return DeepCompileBackend(engine, inner)

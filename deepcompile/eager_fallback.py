@@ -1,0 +1,87 @@
+"""Gathering for code that runs eagerly: the engine without compile(), and frames Dynamo skips
+(graph breaks that fall back to eager, ``torch.compiler.disable`` regions).
+
+A forward pre-hook on every module with partitioned parameters swaps each placeholder for a
+gathered tensor produced by ``_GatherForEager``; a forward hook puts the placeholders back.
+While Dynamo traces, the hooks do nothing (``torch.compiler.is_compiling()``), so compiled graphs
+see placeholders and the graph pass inserts the gathers. Autograd keeps a gathered tensor exactly
+as long as a backward node needs it, so each eagerly gathered parameter lives until its eager
+backward has used it and is freed with the last reference; no other parameter is touched. The
+gradient is reduced into the parameter's partition through the runtime like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Set
+
+import torch
+import torch.nn as nn
+
+from deepcompile.zero.partition import ShardedParam
+
+# Graph id of the executor that serves eager gathers and reductions; compiled graphs get ids >= 1.
+EAGER_GRAPH_ID = 0
+
+
+class _GatherForEager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+        gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
+        gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
+        # A private copy: autograd may keep it until backward, long after the runtime's buffer is
+        # released (or re-filled, for persistent parameters).
+        full = gathered.clone()
+        torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
+        ctx.ds_id = ds_id
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ctx.ds_id)
+        return None, None
+
+
+class EagerGatherHooks:
+    """Installs the gather/restore hooks and remembers which parameters were gathered eagerly."""
+
+    def __init__(self, module: nn.Module, params: List[ShardedParam]):
+        self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
+        self.gathered_ids: Set[int] = set()
+        self.reduced_eagerly = False
+        self._handles = []
+        for sub in module.modules():
+            if any(id(p) in self._by_param for p in sub._parameters.values() if p is not None):
+                self._handles.append(sub.register_forward_pre_hook(self._gather))
+                self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
+
+    def _gather(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        originals = {}
+        for name, p in module._parameters.items():
+            sp = self._by_param.get(id(p)) if p is not None else None
+            if sp is None:
+                continue
+            originals[name] = p
+            if torch.is_grad_enabled() and p.requires_grad:
+                full = _GatherForEager.apply(p, sp.ds_id)
+                self.reduced_eagerly = True
+            else:
+                with torch.no_grad():
+                    full = _GatherForEager.apply(p, sp.ds_id)
+            module._parameters[name] = full
+            self.gathered_ids.add(sp.ds_id)
+        if originals:
+            module.__dict__.setdefault("_dc_originals", []).append(originals)
+
+    def _restore(self, module: nn.Module, args, output) -> None:
+        stack = module.__dict__.get("_dc_originals")
+        if torch.compiler.is_compiling() or not stack:
+            return
+        for name, p in stack.pop().items():
+            module._parameters[name] = p
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

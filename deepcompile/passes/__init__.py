@@ -1,0 +1,1 @@
+"""FX graph passes that insert the runtime's ops into captured ATen graphs."""

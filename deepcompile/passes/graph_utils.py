@@ -1,0 +1,88 @@
+"""Small FX helpers shared by the passes: alias tracking and last-use analysis."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Set
+
+import torch
+from torch.fx import Graph, Node
+
+_ALIAS_EXTRA = ()  # filled lazily: our own pass-through ops
+
+
+def _dc_alias_ops():
+    return (torch.ops.dc.wait_allgather.default, torch.ops.dc.release_param.default)
+
+
+def is_alias_op(node: Node) -> bool:
+    """True if ``node`` returns a view of (one of) its inputs: its users read the same storage."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _dc_alias_ops():
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    return False
+
+
+def is_cast_op(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target in (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def alias_closure(root: Node) -> Set[Node]:
+    """``root`` and every node that views it, transitively."""
+    members = {root}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in members and is_alias_op(user) and user.args and user.args[0] in members:
+                members.add(user)
+                stack.append(user)
+    return members
+
+
+def last_user(graph: Graph, values: Set[Node]) -> Optional[Node]:
+    """The last non-output node (in graph order) that reads any of ``values``."""
+    order: Dict[Node, int] = {n: i for i, n in enumerate(graph.nodes)}
+    last = None
+    for v in values:
+        for user in v.users:
+            if user.op == "output" or user in values:
+                continue
+            if last is None or order[user] > order[last]:
+                last = user
+    # An alias that nobody reads still needs the buffer until it is created.
+    if last is None:
+        for v in values:
+            if last is None or order[v] > order[last]:
+                last = v
+    return last
+
+
+def reaches_output(values: Iterable[Node]) -> bool:
+    return any(user.op == "output" for v in values for user in v.users)
+
+
+def first_user(graph: Graph, node: Node) -> Optional[Node]:
+    users = set(u for u in node.users if u.op != "output")
+    for n in graph.nodes:
+        if n in users:
+            return n
+    return None
+
+
+def tensor_result(node: Node) -> Optional[Node]:
+    """A node holding a tensor produced by ``node``: itself, or its first getitem for tuples."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return node
+    if isinstance(val, (tuple, list)):
+        for user in node.users:
+            if user.op == "call_function" and user.target is __import__("operator").getitem:
+                if isinstance(user.meta.get("val"), torch.Tensor):
+                    return user
+    return None

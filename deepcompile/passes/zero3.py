@@ -1,0 +1,118 @@
+"""The ZeRO-3 pass: gather parameters just before their first use and free them after the last.
+
+Forward and backward graphs get, for every partitioned parameter placeholder with users:
+
+    ag   = dc.allgather_param(param, graph_id, ds_id, dtype)   # right before the first use
+    full = dc.wait_allgather(ag, graph_id, ds_id)               # every use now reads `full`
+    ...
+    out  = dc.release_param(last_use_output, graph_id, ds_id, 1)  # right after the last use
+
+The release takes the last user's output, so data dependencies (not only node order) keep it
+after that use. When the only use is a cast to a narrower dtype (what autocast emits), the cast
+is fused into the gather. The backward graph additionally sends every parameter gradient to
+dc.reduce_grad and returns None in its place, then ends with dc.end_backward, which depends on
+every reduction so no compiler can hoist it above them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from deepcompile.passes.graph_utils import (
+    alias_closure,
+    first_user,
+    is_cast_op,
+    last_user,
+    reaches_output,
+    tensor_result,
+)
+
+log = logging.getLogger(__name__)
+dc = torch.ops.dc
+
+
+def _fused_cast_dtype(param: Node) -> Optional[torch.dtype]:
+    """The dtype to gather in, if the parameter's only use is a cast to a narrower float type."""
+    users = [u for u in param.users if u.op != "output"]
+    if len(users) != 1 or not is_cast_op(users[0]):
+        return None
+    cast = users[0]
+    dtype = cast.args[1] if cast.target is torch.ops.prims.convert_element_type.default else cast.kwargs.get("dtype")
+    if cast.target is torch.ops.aten._to_copy.default and set(cast.kwargs) - {"dtype"}:
+        return None
+    src = param.meta["val"].dtype
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize < src.itemsize:
+        return dtype
+    return None
+
+
+def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int]) -> int:
+    """Insert gather/wait/release around every parameter placeholder in ``params``.
+
+    Returns the number of parameters that could not be released because a gathered alias is an
+    output of the graph (it then stays gathered until the next release of another episode).
+    """
+    graph = gm.graph
+    kept = 0
+    for param, ds_id in params.items():
+        first = first_user(graph, param)
+        if first is None:
+            continue
+        dtype = _fused_cast_dtype(param)
+        cast = first if dtype is not None else None
+        with graph.inserting_before(first):
+            gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
+            full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
+        gathered.meta["val"] = param.meta["val"].to(dtype) if dtype is not None else param.meta["val"]
+        full.meta["val"] = gathered.meta["val"]
+        if cast is not None:
+            cast.replace_all_uses_with(full)
+            graph.erase_node(cast)
+        else:
+            for user in [u for u in param.users if u.op != "output" and u is not gathered]:
+                user.replace_input_with(param, full)
+
+        aliases = alias_closure(full)
+        if reaches_output(aliases):
+            # A gathered alias escapes the graph: freeing it would corrupt the escaped value.
+            log.warning("deepcompile: graph %d returns a view of gathered parameter %d; it is not released", graph_id, ds_id)
+            kept += 1
+            continue
+        last = last_user(graph, aliases)
+        anchor = tensor_result(last) or full
+        with graph.inserting_after(anchor):
+            released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, 1))
+        released.meta["val"] = anchor.meta.get("val")
+        anchor.replace_all_uses_with(released, delete_user_cb=lambda u: u is not released)
+    graph.lint()
+    return kept
+
+
+def insert_reductions(gm: GraphModule, graph_id: int, grad_slots: Dict[int, int]) -> List[Node]:
+    """Route the gradients at output positions ``grad_slots`` (position -> ds id) to reduce_grad.
+
+    The outputs become None: parameter gradients exist only in the partitions.
+    """
+    graph = gm.graph
+    output = graph.output_node()
+    outputs = list(output.args[0])
+    reductions: List[Node] = []
+    for position, ds_id in sorted(grad_slots.items()):
+        grad = outputs[position]
+        if not isinstance(grad, Node):
+            continue  # frozen or unused parameter: no gradient
+        with graph.inserting_after(grad):
+            reduced = graph.call_function(dc.reduce_grad.default, (grad, graph_id, ds_id))
+        reduced.meta["val"] = grad.meta["val"].new_empty((0,)) if "val" in grad.meta else None
+        reductions.append(reduced)
+        outputs[position] = None
+    if reductions:
+        with graph.inserting_before(output):
+            graph.call_function(dc.end_backward.default, (reductions, graph_id, False))
+    output.args = (tuple(outputs),)
+    graph.lint()
+    return reductions

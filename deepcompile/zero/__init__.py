@@ -1,0 +1,1 @@
+"""Partitioning of parameters, gradients and optimizer state (ZeRO stages)."""
