@@ -23,7 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule, Node
 
-from deepcompile import runtime
+from deepcompile import compat, runtime
 from deepcompile.compiler.partitioner import make_partition_fn
 from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
 
@@ -55,6 +55,7 @@ class DeepCompileBackend:
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
         self._ds_id_of = {id(sp.param): sp.ds_id for sp in engine.params}
+        compat.mark_ops_side_effectful()
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         slots = {i: self._ds_id_of[id(t)] for i, t in enumerate(example_inputs) if id(t) in self._ds_id_of}
@@ -68,6 +69,7 @@ class DeepCompileBackend:
         if self.inner == "inductor":
             from torch._inductor.decomposition import select_decomp_table
 
+            compat.protect_runtime_buffers_in_inductor()
             kwargs["decompositions"] = select_decomp_table()
         return aot_autograd(**kwargs)(gm, example_inputs)
 
