@@ -65,35 +65,37 @@ py::object gatheredBuffer(int64_t id) {
 
 }  // namespace
 
+// Control calls that may wait on collectives or the device release the GIL: a gloo worker or
+// another Python thread must never be blocked behind a thread that waits for them.
 PYBIND11_MODULE(_C, m) {
   m.doc() = "deepcompile runtime: control API (the ops are registered as torch.ops.dc.*)";
-  m.def("init", &init, "Create the runtime (replacing any previous one)");
-  m.def("cleanup", &destroyRuntime, "Destroy the runtime; safe to call when none exists");
+  m.def("init", &init, "Create the runtime (replacing any previous one)", py::call_guard<py::gil_scoped_release>());
+  m.def("cleanup", &destroyRuntime, "Destroy the runtime; safe to call when none exists", py::call_guard<py::gil_scoped_release>());
   m.def("is_initialized", &runtimeInitialized);
-  m.def("reset", [] { currentRuntime().resetExecutors(); });
+  m.def("reset", [] { currentRuntime().resetExecutors(); }, py::call_guard<py::gil_scoped_release>());
   m.def("world_size", [] { return currentRuntime().world(); });
   m.def("rank", [] { return currentRuntime().rank(); });
-  m.def("register_z3_params", &registerZ3Params);
+  m.def("register_z3_params", &registerZ3Params, py::call_guard<py::gil_scoped_release>());
   m.def("register_z12_param", [](int64_t id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
                                  int64_t partition_numel) {
     currentRuntime().registerZ12Param(id, std::move(shape), std::move(param), group_offset, partition_numel);
-  });
+  }, py::call_guard<py::gil_scoped_release>());
   m.def("bind_grad_target",
-        [](int64_t id, at::Tensor target, bool zero) { currentRuntime().bindGradTarget(id, std::move(target), zero); });
+        [](int64_t id, at::Tensor target, bool zero) { currentRuntime().bindGradTarget(id, std::move(target), zero); }, py::call_guard<py::gil_scoped_release>());
   m.def("unbind_grad_targets",
-        [](std::optional<std::vector<int64_t>> ids) { currentRuntime().unbindGradTargets(ids); });
+        [](std::optional<std::vector<int64_t>> ids) { currentRuntime().unbindGradTargets(ids); }, py::call_guard<py::gil_scoped_release>());
   m.def("register_graph", [](int64_t graph_id, std::vector<int64_t> ids, int64_t stage) {
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
-  });
-  m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); });
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
   m.def("start_forward", [] { currentRuntime(); });
   m.def("end_forward", [] { currentRuntime(); });
-  m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); });
+  m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
   m.def("enable_profiling", [](bool enabled) { currentRuntime().profiling = enabled; });
   m.def("is_profiling", [] { return currentRuntime().profiling; });
-  m.def("invalidate_gathered_param", [](int64_t id) { currentRuntime().invalidateGathered(id); });
-  m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); });
-  m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); });
+  m.def("invalidate_gathered_param", [](int64_t id) { currentRuntime().invalidateGathered(id); }, py::call_guard<py::gil_scoped_release>());
+  m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); }, py::call_guard<py::gil_scoped_release>());
   // Introspection (tests, reports).
   m.def("is_gathered", [](int64_t id) {
     const DSParam& p = currentRuntime().registry().get(id);

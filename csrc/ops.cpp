@@ -46,12 +46,13 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
 
 at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id) {
   currentRuntime().z3Executor(graph_id, "wait_allgather").wait(id);
-  return a;
+  // A fresh view, not the input itself: a non-mutating op below autograd may not return its input.
+  return a.alias();
 }
 
 at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users) {
   currentRuntime().z3Executor(graph_id, "release_param").release(id, n_users);
-  return a;
+  return a.alias();
 }
 
 at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
@@ -84,8 +85,9 @@ void free_tensors(at::TensorList tensors) {
   if (rt.profiling) return;
   for (const at::Tensor& t : tensors) {
     if (!t.defined()) continue;
-    // The threshold is in bytes (DeepSpeed documents bytes but compared element counts).
-    if (static_cast<int64_t>(t.storage().nbytes()) <= rt.config().free_activation_threshold) continue;
+    // The threshold is in bytes of the tensor itself (DeepSpeed documents bytes but compared
+    // element counts).
+    if (static_cast<int64_t>(t.numel() * t.element_size()) <= rt.config().free_activation_threshold) continue;
     rt.lanes().recordStream(t, rt.lanes().computeStream());
     t.storage().unsafeGetStorageImpl()->reset();
   }
@@ -102,9 +104,9 @@ at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t i
 
 void prefetch_params_fused_meta(int64_t, at::TensorList, at::IntArrayRef, std::optional<at::ArrayRef<at::ScalarType>>) {}
 
-at::Tensor passthrough_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
+at::Tensor passthrough_meta(const at::Tensor& a, int64_t, int64_t) { return a.alias(); }
 
-at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a.alias(); }
 
 at::Tensor reduce_grad_meta(const at::Tensor& grad, int64_t, int64_t) { return at::empty({0}, grad.options()); }
 

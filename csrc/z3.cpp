@@ -47,6 +47,22 @@ void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::
   // on the all-gather lane, so their blocks are reused only after the gathers read them.
 }
 
+at::Tensor gatherPrivateCopy(Runtime& rt, DSParam& p, at::ScalarType dtype) {
+  Lanes& lanes = rt.lanes();
+  lanes.waitCompute(Lane::AllGather);
+  at::Tensor buffer;
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    buffer = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
+    at::Tensor send = p.data.reshape({-1}).to(dtype);
+    rt.comm().beginGroup(Lane::AllGather);
+    rt.comm().allGather(send, buffer);
+  }
+  rt.comm().endGroup()->blockStream(lanes.computeStream());
+  lanes.recordStream(buffer, lanes.computeStream());
+  return buffer.narrow(0, 0, p.numel).view(p.shape);
+}
+
 void freeGathered(Runtime& rt, DSParam& p) {
   if (p.gathered.defined()) {
     // CPU: the gather may still write into the buffer from gloo's thread; finish it first.
@@ -71,9 +87,15 @@ at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
     return p.gatheredView();
   }
   if (p.gathered.scalar_type() == target) return p.gatheredView();
-  // Valid in another dtype (prefetched or persistent): convert, but only after the gather landed.
-  if (p.gather_done) p.gather_done->blockStream(rt_.lanes().computeStream());
-  return p.gatheredView().to(target);
+  if (p.gathered.scalar_type() == p.data.scalar_type()) {
+    // Valid in the shard's dtype (prefetched or persistent): converting is exact, but only
+    // after the gather landed.
+    if (p.gather_done) p.gather_done->blockStream(rt_.lanes().computeStream());
+    return p.gatheredView().to(target);
+  }
+  // Valid only in a narrower dtype: converting back would lose precision. Gather a private
+  // copy in the requested dtype; the registered buffer is left to its own release.
+  return gatherPrivateCopy(rt_, p, target);
 }
 
 void Z3Executor::prefetch(const std::vector<DsId>& ids, const std::vector<at::ScalarType>& dtypes) {

@@ -10,3 +10,18 @@ from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
 
 __all__ = ["Config", "Engine", "initialize", "runtime"]
+
+
+def _register_backend() -> None:
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from deepcompile.compiler.backend import deepcompile_backend
+
+    try:
+        lookup_backend("deepcompile")
+    except Exception:  # not registered yet (the entry point registers it lazily by name)
+        torch._dynamo.register_backend(name="deepcompile")(deepcompile_backend)
+
+
+_register_backend()

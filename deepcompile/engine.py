@@ -18,6 +18,17 @@ from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.partition import ShardedParam, partition_parameters
 
 _BACKENDS = ("inductor", "eager")
+_ACTIVE: Optional["Engine"] = None
+
+
+def active_engine() -> "Engine":
+    """The engine created last by ``initialize`` (and not destroyed)."""
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "the 'deepcompile' backend needs an engine: call deepcompile.initialize(model, optimizer, config) "
+            "before torch.compile(model, backend='deepcompile')"
+        )
+    return _ACTIVE
 
 
 class Engine:
@@ -55,17 +66,26 @@ class Engine:
         self.global_steps = 0
         self._compiled: Optional[nn.Module] = None
         self._graphs = None  # set by compile()
+        self._backends: Dict[str, Any] = {}
+        global _ACTIVE
+        _ACTIVE = self
 
     # ---- compile ------------------------------------------------------------------------------
 
     def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> "Engine":
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        from deepcompile.compiler.backend import make_backend
-
-        self._graphs = make_backend(self, inner=backend)
+        self._graphs = self.backend_for(backend)
         self._compiled = torch.compile(self.module, backend=self._graphs, **torch_compile_kwargs)
         return self
+
+    def backend_for(self, inner: str):
+        """The deepcompile backend of this engine with ``inner`` as the final compiler."""
+        if inner not in self._backends:
+            from deepcompile.compiler.backend import make_backend
+
+            self._backends[inner] = make_backend(self, inner=inner)
+        return self._backends[inner]
 
     # ---- training loop ------------------------------------------------------------------------
 
@@ -107,7 +127,11 @@ class Engine:
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Full, unsharded parameters (by name, tied ones under every name) and buffers, on CPU."""
+        """The module's state dict with full, unsharded parameters, as CPU tensors.
+
+        Identical on every rank (every rank takes part in the gathers). Tied parameters appear
+        under each of their names, as in ``nn.Module.state_dict``.
+        """
         full: Dict[int, torch.Tensor] = {}
         for sp in self.params:
             gathered = torch.ops.dc.allgather_param(sp.param, EAGER_GRAPH_ID, sp.ds_id)
@@ -115,15 +139,16 @@ class Engine:
             full[id(sp.param)] = gathered.detach().cpu().clone()
             torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, sp.ds_id, 1)
         out: Dict[str, torch.Tensor] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            out[name] = full[id(p)]
-        for name, b in self.module.named_buffers():
-            out[name] = b.detach().cpu().clone()
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = full[id(value)] if id(value) in full else value.detach().cpu().clone()
         return out
 
     def destroy(self) -> None:
+        global _ACTIVE
         self.eager.remove()
         runtime.cleanup()
+        if _ACTIVE is self:
+            _ACTIVE = None
 
 
 def initialize(

@@ -135,6 +135,9 @@ def _worker_main(rank, world_size, port, device_type, task_q, result_q) -> None:
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(rank)
+            # When a failed body tears the pool down, surviving ranks' NCCL heartbeat would spam
+            # "Broken pipe" warnings until they are killed.
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
         dist.init_process_group(
             backend,
             rank=rank,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import DistributedTestFailure, run_distributed
+from multiproc import DistributedTestFailure, require_world_size, run_distributed
 
 
 def _body_all_reduce(ctx, value):
@@ -50,12 +50,14 @@ def test_failing_rank_is_reported(dist_world_size):
 
 
 def test_dead_rank_is_reported():
+    require_world_size(2)
     with pytest.raises(DistributedTestFailure, match="killed by signal"):
         run_distributed(_body_one_rank_aborts, 2)
     run_distributed(_body_all_reduce, 2, args=(1,))
 
 
 def test_hang_times_out():
+    require_world_size(2)
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure, match="did not finish"):
         run_distributed(_body_one_rank_hangs, 2, timeout=5)

@@ -947,6 +947,32 @@ def _body_init_cleanup(ctx):
         ops.allgather_param(shard, GRAPH, A)
     register_and_gather()
 
+    # cleanup drops everything the runtime held (DS gap 12 kept registry and buckets alive): the
+    # shard, the gradient target, a persistent gathered buffer and the reduce buckets.
+    runtime.cleanup()
+    ctx.init_runtime(CONFIG)
+    B = 23
+    full_b = full_param(B, (7,), torch.float32, ctx.device)
+    shard_b = z3_shard(full_b, ctx.world_size, ctx.rank)
+    target_b = torch.zeros_like(shard_b)
+    runtime.register_z3_params([B], [(7,)], [shard_b], [target_b], persistent=[True])
+    runtime.register_graph(GRAPH, [B], 3)
+    out = gather(shard_b, GRAPH, B)
+    ops.release_param(out, GRAPH, B, 1)  # persistent: stays gathered
+    runtime.start_backward(True)
+    dep = ops.reduce_grad(torch.ones(7, device=ctx.device), GRAPH, B)
+    ops.end_backward([dep], GRAPH, False)  # buckets kept
+    weak = {
+        "shard": StorageWeakRef(shard_b.untyped_storage()),
+        "gradient target": StorageWeakRef(target_b.untyped_storage()),
+        "persistent gathered buffer": StorageWeakRef(out.untyped_storage()),
+    }
+    del shard_b, target_b, out, dep
+    runtime.cleanup()
+    gc.collect()
+    alive = [name for name, w in weak.items() if not w.expired()]
+    assert not alive, f"still referenced after cleanup: {alive}"
+
 
 def test_init_cleanup_idempotent(dist_world_size):
     run_distributed(_body_init_cleanup, dist_world_size)

@@ -5,6 +5,8 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 namespace deepcompile {
@@ -44,6 +46,8 @@ class ProcessGroupCommunicator final : public Communicator {
  public:
   explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {
     TORCH_CHECK(group_, "deepcompile: a process group is required");
+    const char* debug = std::getenv("DC_DEBUG_COLLECTIVES");
+    trace_ = debug != nullptr && debug[0] != '\0' && debug[0] != '0';
   }
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
@@ -58,6 +62,7 @@ class ProcessGroupCommunicator final : public Communicator {
     checkInGroup();
     TORCH_CHECK(recv.numel() == send.numel() * size(), "deepcompile: all-gather of ", send.numel(),
                 " elements per rank needs ", send.numel() * size(), " output elements, got ", recv.numel());
+    trace("allgather", send.numel());
     at::Tensor in = stage(send);
     at::Tensor out = needsStaging(recv) ? at::empty({recv.numel()}, recv.options().dtype(at::kFloat)) : recv;
     std::vector<at::Tensor> inputs{in.contiguous()};
@@ -70,6 +75,7 @@ class ProcessGroupCommunicator final : public Communicator {
     checkInGroup();
     TORCH_CHECK(send.numel() == recv.numel() * size(), "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size(), " input elements, got ", send.numel());
+    trace("reduce-scatter", send.numel());
     // gloo has no reduce-scatter on every torch version: all-reduce a scratch copy, keep our chunk.
     at::Tensor scratch = send.to(needsStaging(send) ? at::kFloat : send.scalar_type(), /*non_blocking=*/false,
                                  /*copy=*/true);
@@ -84,6 +90,7 @@ class ProcessGroupCommunicator final : public Communicator {
 
   void reduce(const at::Tensor& buffer, int root) override {
     checkInGroup();
+    trace("reduce", buffer.numel());
     at::Tensor staged = stage(buffer);
     std::vector<at::Tensor> tensors{staged};
     c10d::ReduceOptions opts;
@@ -104,6 +111,7 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {
+    trace("allgather-ints", static_cast<int64_t>(values.size()));
     at::Tensor in = at::tensor(values, at::kLong);
     at::Tensor out = at::empty({static_cast<int64_t>(values.size()) * size()}, at::kLong);
     std::vector<at::Tensor> inputs{in};
@@ -119,12 +127,19 @@ class ProcessGroupCommunicator final : public Communicator {
     if (needsStaging(t)) return t.to(at::kFloat);
     return t.is_contiguous() ? t : t.contiguous();
   }
+  // DC_DEBUG_COLLECTIVES=1 prints every collective: the first tool for a cross-rank mismatch.
+  void trace(const char* what, int64_t numel) {
+    if (trace_) std::fprintf(stderr, "[deepcompile rank %d] #%lld %s numel=%lld\n", rank(),
+                             static_cast<long long>(++issued_), what, static_cast<long long>(numel));
+  }
   void issue(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> buffers) {
     works_.push_back(std::move(work));
     for (auto& b : buffers) keep_alive_.push_back(std::move(b));
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool trace_ = false;
+  int64_t issued_ = 0;
   bool in_group_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<std::function<void()>> then_;

@@ -106,3 +106,17 @@ class DeepCompileBackend:
 
 def make_backend(engine: Any, inner: str = "inductor") -> DeepCompileBackend:
     return DeepCompileBackend(engine, inner)
+
+
+def deepcompile_backend(gm: GraphModule, example_inputs: List[Any], options: Optional[Dict[str, Any]] = None):
+    """``torch.compile(engine.module, backend="deepcompile")``: compiles for the active engine.
+
+    ``options={"inner": "eager"}`` selects the FX executor instead of Inductor.
+    """
+    from deepcompile.engine import active_engine
+
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    if options:
+        raise ValueError(f"unknown deepcompile backend options {sorted(options)}; supported: ['inner']")
+    return active_engine().backend_for(inner)(gm, example_inputs)

@@ -107,6 +107,8 @@ class Z3Executor : public CustomOpExecutor {
 // Starts gathering `params` (in `dtypes`) as one group on the all-gather lane and marks them
 // valid; used by allgather_param, prefetch and set_persistent.
 void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::vector<at::ScalarType>& dtypes);
+// Gathers `param` into a fresh, unregistered buffer (the caller owns it) and waits for it.
+at::Tensor gatherPrivateCopy(Runtime& rt, DSParam& param, at::ScalarType dtype);
 // Frees a parameter's gathered storage itself (every view of it then has 0 bytes).
 void freeGathered(Runtime& rt, DSParam& param);
 

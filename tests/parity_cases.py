@@ -1,0 +1,212 @@
+"""Models, data and training loops for parity tests: a distributed engine run against
+single-process training of the same model on the same data.
+
+Each case is addressed by name so that test bodies (run in spawned rank processes) can rebuild
+it. Every rank trains on its slice of each global batch and reports the mean of the ranks' losses,
+which equals the single-process loss on the whole batch (equal slice sizes).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+GLOBAL_BATCH = 12  # divisible by world sizes 2, 3, 4
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Layer sizes not divisible by 2 or 3: every shard is padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 5)
+
+    def forward(self, x, y):
+        return ((self.fc2(torch.nn.functional.gelu(self.fc1(x))) - y) ** 2).mean()
+
+
+class GraphBreakMLP(MLP):
+    """Dynamo splits the forward into two graphs around the break."""
+
+    def forward(self, x, y):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return ((self.fc2(h) - y) ** 2).mean()
+
+
+class DisabledForwardMLP(MLP):
+    """Seed 002: the whole forward runs eagerly (Dynamo skips the frame)."""
+
+    @torch.compiler.disable
+    def forward(self, x, y):
+        return super().forward(x, y)
+
+
+class PartlyDisabledMLP(MLP):
+    """One compiled graph plus one eager frame in the same forward and backward."""
+
+    @torch.compiler.disable
+    def _head(self, h):
+        return self.fc2(h)
+
+    def forward(self, x, y):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        return ((self._head(h) - y) ** 2).mean()
+
+
+class TiedEmbeddingLM(nn.Module):
+    """Input embedding and output projection share one parameter."""
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        logits = self.head(torch.tanh(self.mix(self.embed(tokens))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class LoRAMLP(MLP):
+    """Frozen base weights, trainable low-rank adapters (only some parameters train)."""
+
+    def __init__(self):
+        super().__init__()
+        for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight):
+            p.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(3, 7) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(13, 3) * 0.1)
+
+    def forward(self, x, y):
+        h = self.fc1(x) + x @ self.lora_a.t() @ self.lora_b.t()
+        return ((self.fc2(torch.nn.functional.gelu(h)) - y) ** 2).mean()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=61, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class LlamaLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_llama()
+
+    def forward(self, tokens, targets):
+        return self.model(input_ids=tokens, labels=targets).loss
+
+
+MODELS: Dict[str, Callable[[], nn.Module]] = {
+    "mlp": MLP,
+    "graph_break": GraphBreakMLP,
+    "disabled_forward": DisabledForwardMLP,
+    "partly_disabled": PartlyDisabledMLP,
+    "tied": TiedEmbeddingLM,
+    "lora": LoRAMLP,
+    "llama": LlamaLoss,
+}
+TOKEN_MODELS = {"tied": 11, "llama": 61}
+
+
+def build_model(name: str, dtype=torch.float32, device="cpu") -> nn.Module:
+    torch.manual_seed(1234)
+    return MODELS[name]().to(device=device, dtype=dtype)
+
+
+def batch(name: str, step: int, device="cpu", dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + step)
+    if name in TOKEN_MODELS:
+        tokens = torch.randint(0, TOKEN_MODELS[name], (GLOBAL_BATCH, 8), generator=g)
+        return tokens.to(device), tokens.to(device)
+    x = torch.randn(GLOBAL_BATCH, 7, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+# ---- training loops ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: List[float]
+    params: Dict[str, torch.Tensor]
+
+
+def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0) -> RunResult:
+    """Single process, fp32, whole batches."""
+    model = build_model(name)
+    opt = make_optimizer([p for p in model.parameters()])
+    losses = []
+    for step in range(steps):
+        loss = model(*batch(name, step))
+        (loss / gas).backward()
+        losses.append(loss.item())
+        if (step + 1) % gas == 0:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+            opt.step()
+            opt.zero_grad()
+    return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)})
+
+
+def train_engine(
+    name: str,
+    steps: int,
+    config: dict,
+    backend: Optional[str],
+    device: torch.device,
+    dtype=torch.float32,
+    use_torch_compile_api: bool = False,
+):
+    """Distributed run through deepcompile; returns (RunResult, engine)."""
+    import deepcompile
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(name, dtype=dtype, device=device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
+    if use_torch_compile_api:
+        compiled = torch.compile(engine.module, backend="deepcompile", options={"inner": backend})
+        engine._compiled = compiled
+    elif backend is not None:
+        engine.compile(backend=backend)
+    n = GLOBAL_BATCH // world
+    losses = []
+    for step in range(steps):
+        a, b = batch(name, step, device=device, dtype=dtype)
+        loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()}), engine
+
+
+def assert_parity(got: RunResult, ref: RunResult, rtol: float, atol: float) -> None:
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
+    missing = set(ref.params) - set(got.params)
+    assert not missing, f"full_state_dict lacks {sorted(missing)}"
+    for key in ref.params:
+        torch.testing.assert_close(got.params[key], ref.params[key], rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
