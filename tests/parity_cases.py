@@ -153,13 +153,13 @@ class RunResult:
     params: Dict[str, torch.Tensor]
 
 
-def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0) -> RunResult:
-    """Single process, fp32, whole batches."""
-    model = build_model(name)
+def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0, device="cpu") -> RunResult:
+    """Single process, fp32, whole batches, on ``device``."""
+    model = build_model(name, device=device)
     opt = make_optimizer([p for p in model.parameters()])
     losses = []
     for step in range(steps):
-        loss = model(*batch(name, step))
+        loss = model(*batch(name, step, device=device))
         (loss / gas).backward()
         losses.append(loss.item())
         if (step + 1) % gas == 0:

@@ -37,7 +37,7 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
     got, engine = train_engine(name, steps, config, backend, ctx.device, dtype=dtype,
                                use_torch_compile_api=torch_compile_api)
     ref = train_reference(name, steps, gas=config.get("gradient_accumulation_steps", 1),
-                          clip=config.get("gradient_clipping", 0.0))
+                          clip=config.get("gradient_clipping", 0.0), device=ctx.device)
     assert_parity(got, ref, **(BF16_TOL if bf16 else FP32_TOL))
     eager = engine.eagerly_gathered_params()
     if expect_eager is True:
