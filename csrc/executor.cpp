@@ -42,7 +42,14 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
     if (bucket->last_use) bucket->last_use->hostWait();
     bucket->reserve(slot_numel);
   }
+  const bool fresh_buffer = !bucket->allocated();
   at::Tensor slot = bucket->allocate(slot_numel);
+  if (fresh_buffer) {
+    // The buffer was just allocated from the reduce lane's pool, possibly reusing a block (e.g.
+    // a flush's receive temporary) that the reduce lane still reads. The copy lane writes it, so
+    // it must wait for the reduce lane's queued work first.
+    bucket->last_use = lanes.record(Lane::ReduceScatter);
+  }
 
   // The copy lane writes the slot once (a) the gradient is produced and (b) the last collective
   // that read this bucket buffer is done.

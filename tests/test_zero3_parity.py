@@ -1,7 +1,7 @@
 """ZeRO-3 end to end: deepcompile training on 2 ranks against single-process training.
 
 Each case compares the per-step losses and the full parameters after the last step. fp32: 1e-5
-relative. bf16: the engine trains bf16 parameters (fp32 master weights, bf16 gradients reduced in
+relative (Inductor cases 1e-4: fused kernels sum in another order than the eager reference). bf16: the engine trains bf16 parameters (fp32 master weights, bf16 gradients reduced in
 bf16) against an fp32 reference, so it is compared at 3e-2 relative / 3e-2 absolute after 4 steps;
 this tolerance bounds bf16 rounding, and a wrong gradient (missing, doubled, unaveraged) exceeds it.
 """
@@ -15,6 +15,8 @@ from multiproc import run_distributed
 from parity_cases import assert_parity, train_engine, train_reference
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+# Inductor fuses and reorders float sums differently from the eager single-process reference.
+INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)
 WORLD = 2
 
@@ -38,7 +40,7 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
                                use_torch_compile_api=torch_compile_api)
     ref = train_reference(name, steps, gas=config.get("gradient_accumulation_steps", 1),
                           clip=config.get("gradient_clipping", 0.0), device=ctx.device)
-    assert_parity(got, ref, **(BF16_TOL if bf16 else FP32_TOL))
+    assert_parity(got, ref, **(BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
     eager = engine.eagerly_gathered_params()
     if expect_eager is True:
         assert eager, "the eager fallback gathered nothing although a frame ran eagerly"
@@ -71,6 +73,17 @@ def test_zero3_seed002_disabled_forward_with_zero_persistence():
     """Seed 002: forward under torch.compiler.disable, persistence threshold 0."""
     cfg = zero3_config(stage3_param_persistence_threshold=0)
     run_distributed(_parity_body, WORLD, args=("disabled_forward", "eager", 4, cfg), kwargs={"expect_eager": True})
+
+
+def test_zero3_gradient_accumulation():
+    """Three windows of 4 micro-steps; every window after the first starts after an update."""
+    cfg = zero3_config(gradient_accumulation_steps=4)
+    run_distributed(_parity_body, WORLD, args=("mlp", "eager", 12, cfg))
+
+
+def test_zero3_gradient_clipping():
+    cfg = zero3_config(gradient_clipping=0.5)
+    run_distributed(_parity_body, WORLD, args=("mlp", "eager", 6, cfg))
 
 
 def test_zero3_gradient_accumulation_and_clipping():
