@@ -37,7 +37,7 @@ class Engine:
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
         stage = config.zero_optimization.stage
         if stage != 3:
-            raise ValueError(f"zero_optimization.stage {stage} is not implemented yet (supported: 3)")
+            raise ValueError(f"zero_optimization.stage {stage} is not implemented in the engine yet (supported: 3)")
         self.config = config
         self.module = model
         self.group = dist.group.WORLD

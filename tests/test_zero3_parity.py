@@ -100,3 +100,27 @@ def test_zero3_torch_compile_backend_name():
     """torch.compile(engine.module, backend="deepcompile") works like engine.compile()."""
     run_distributed(_parity_body, WORLD, args=("mlp", "eager", 3, zero3_config()),
                     kwargs={"torch_compile_api": True, "expect_eager": False})
+
+
+def test_initialize_rejects_bad_config_before_touching_the_model():
+    import deepcompile
+
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"zero_optimization\.stgae"):
+        deepcompile.initialize(model, opt, {"zero_optimization": {"stgae": 3}})
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps"):
+        deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 0})
+    assert model.weight.numel() == 9 and torch.isfinite(model.weight).all()  # untouched
+
+
+def _unsupported_stage_body(ctx):
+    import deepcompile
+
+    model = torch.nn.Linear(3, 3).to(ctx.device)
+    with pytest.raises(ValueError, match="stage 1 is not implemented in the engine"):
+        deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_optimization": {"stage": 1}})
+
+
+def test_initialize_rejects_stages_without_an_engine():
+    run_distributed(_unsupported_stage_body, WORLD)
