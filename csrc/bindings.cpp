@@ -105,6 +105,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("gathered_buffer", &gatheredBuffer);
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
+  m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });
   m.def("holds_grad_target", [](int64_t id) {
     const DSParam& p = currentRuntime().registry().get(id);
     return p.grad_target.defined() || p.local_grad_acc.defined();

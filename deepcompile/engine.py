@@ -3,8 +3,6 @@ DeepSpeed-style loop ``loss = engine(batch); engine.backward(loss); engine.step(
 
 from __future__ import annotations
 
-import functools
-import time
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -13,9 +11,9 @@ import torch.nn as nn
 
 from deepcompile import runtime
 from deepcompile.config import Config
-from deepcompile.eager_fallback import EAGER_GRAPH_ID, EagerGatherHooks
-from deepcompile.zero.optimizer import ShardedOptimizer
-from deepcompile.zero.partition import ShardedParam, partition_parameters
+from deepcompile.eager_fallback import EAGER_GRAPH_ID
+from deepcompile.zero.stage3 import Zero3Sharding
+from deepcompile.zero.stage12 import Zero12Sharding
 
 _BACKENDS = ("inductor", "eager")
 _ACTIVE: Optional["Engine"] = None
@@ -35,10 +33,8 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
-        stage = config.zero_optimization.stage
-        if stage != 3:
-            raise ValueError(f"zero_optimization.stage {stage} is not implemented in the engine yet (supported: 3)")
         self.config = config
+        self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -46,20 +42,12 @@ class Engine:
         config.check_batch_size(self.world_size)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
-        self.params: List[ShardedParam] = partition_parameters(
-            model, config.zero_optimization.stage3_param_persistence_threshold, self.group
-        )
-        self.optimizer = ShardedOptimizer(optimizer, self.params, self.group)
-        runtime.register_z3_params(
-            [sp.ds_id for sp in self.params],
-            [list(sp.shape) for sp in self.params],
-            [sp.shard for sp in self.params],
-            [sp.grad_partition for sp in self.params],
-            [sp.persistent for sp in self.params],
-            [torch.float32 if sp.trainable else None for sp in self.params],
-        )
-        runtime.register_graph(EAGER_GRAPH_ID, [sp.ds_id for sp in self.params], stage=3)
-        self.eager = EagerGatherHooks(model, self.params)
+        if self.stage == 3:
+            self.sharding = Zero3Sharding(model, optimizer, config, self.group)
+        else:
+            self.sharding = Zero12Sharding(model, optimizer, config, self.group, self.stage)
+        self.optimizer = self.sharding.optimizer
+        runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.micro_steps = 0
@@ -100,7 +88,9 @@ class Engine:
         return module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        runtime.start_backward(self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        self.sharding.before_backward(boundary)
+        runtime.start_backward(boundary)
         (loss / self.gradient_accumulation_steps).backward()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
@@ -111,41 +101,25 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if self.config.gradient_clipping > 0:
-            self.optimizer.clip_grad_norm(self.config.gradient_clipping)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        # Shards changed: gathered copies (persistent ones included) are stale.
-        runtime.invalidate_all_gathered()
+        self.sharding.step(self.config.gradient_clipping)
         self.global_steps += 1
 
     # ---- state --------------------------------------------------------------------------------
 
     def eagerly_gathered_params(self) -> List[str]:
         """Names of parameters that were gathered outside compiled graphs (eager frames)."""
-        return [sp.name for sp in self.params if sp.ds_id in self.eager.gathered_ids]
+        return self.sharding.eagerly_gathered_params()
 
-    @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The module's state dict with full, unsharded parameters, as CPU tensors.
+        """The module's state dict with full parameters, as CPU tensors, identical on every rank.
 
-        Identical on every rank (every rank takes part in the gathers). Tied parameters appear
-        under each of their names, as in ``nn.Module.state_dict``.
+        Tied parameters appear under each of their names, as in ``nn.Module.state_dict``.
         """
-        full: Dict[int, torch.Tensor] = {}
-        for sp in self.params:
-            gathered = torch.ops.dc.allgather_param(sp.param, EAGER_GRAPH_ID, sp.ds_id)
-            gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, sp.ds_id)
-            full[id(sp.param)] = gathered.detach().cpu().clone()
-            torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, sp.ds_id, 1)
-        out: Dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            out[name] = full[id(value)] if id(value) in full else value.detach().cpu().clone()
-        return out
+        return self.sharding.full_state_dict()
 
     def destroy(self) -> None:
         global _ACTIVE
-        self.eager.remove()
+        self.sharding.close()
         runtime.cleanup()
         if _ACTIVE is self:
             _ACTIVE = None

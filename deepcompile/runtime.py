@@ -57,6 +57,7 @@ __all__ = [
     "pending_reduce_tasks",
     "reduce_bucket_numel",
     "holds_grad_target",
+    "was_reduced",
     "world_size",
     "rank",
 ]
@@ -299,6 +300,11 @@ def pending_reduce_tasks() -> int:
 def reduce_bucket_numel() -> int:
     """Elements currently allocated in reduce buckets (all dtypes, both buffers)."""
     return _C.reduce_bucket_numel()
+
+
+def was_reduced(ds_id: int) -> bool:
+    """True if a gradient of ``ds_id`` was reduced in the current accumulation window."""
+    return _C.was_reduced(int(ds_id))
 
 
 def holds_grad_target(ds_id: int) -> bool:

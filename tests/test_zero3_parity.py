@@ -112,15 +112,3 @@ def test_initialize_rejects_bad_config_before_touching_the_model():
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps"):
         deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 0})
     assert model.weight.numel() == 9 and torch.isfinite(model.weight).all()  # untouched
-
-
-def _unsupported_stage_body(ctx):
-    import deepcompile
-
-    model = torch.nn.Linear(3, 3).to(ctx.device)
-    with pytest.raises(ValueError, match="stage 1 is not implemented in the engine"):
-        deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_optimization": {"stage": 1}})
-
-
-def test_initialize_rejects_stages_without_an_engine():
-    run_distributed(_unsupported_stage_body, WORLD)

@@ -1,12 +1,14 @@
 """The "deepcompile" torch.compile backend.
 
 For each graph Dynamo captures, the backend assigns a fresh graph id (monotonic, never reused,
-unlike ``id(gm.graph)``), registers an executor for the partitioned parameters the graph takes as
-inputs, and runs aot_autograd with:
-  * a partitioner that never saves gathered parameters for backward (compiler/partitioner.py);
-  * a forward compiler that inserts gather/release (passes/zero3.py) and then hands the graph to
-    the inner compiler (FX execution for "eager", Inductor for "inductor");
-  * a backward compiler that re-gathers, reduces parameter gradients and returns None for them.
+unlike ``id(gm.graph)``), registers an executor of the engine's ZeRO stage for the parameters the
+graph takes as inputs, and runs aot_autograd with:
+  * ZeRO-3: a partitioner that never saves gathered parameters for backward
+    (compiler/partitioner.py), and a forward compiler that inserts gather/release
+    (passes/zero3.py);
+  * a backward compiler that (ZeRO-3) re-gathers, and (all stages) sends parameter gradients to
+    dc.reduce_grad and returns None for them;
+  * then the inner compiler: FX execution for "eager", Inductor for "inductor".
 The forward and backward compilers of one graph are closures over the same graph id and input
 slots, which is how the two halves are paired; a recompile of the same frame is a new graph.
 """
@@ -54,15 +56,18 @@ class DeepCompileBackend:
         self.inner = inner
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
-        self._ds_id_of = {id(sp.param): sp.ds_id for sp in engine.params}
+        self.stage = engine.stage
+        self._ds_id_of = engine.sharding.ds_id_of
         compat.mark_ops_side_effectful()
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         slots = {i: self._ds_id_of[id(t)] for i, t in enumerate(example_inputs) if id(t) in self._ds_id_of}
         record = GraphRecord(next(self._next_graph_id), slots)
         self.graphs.append(record)
-        runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=3)
-        partition = make_partition_fn(min_cut_rematerialization_partition, set(slots))
+        runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=self.stage)
+        partition = min_cut_rematerialization_partition
+        if self.stage == 3:
+            partition = make_partition_fn(partition, set(slots))
         fw = functools.partial(self._compile_forward, record)
         bw = functools.partial(self._compile_backward, record)
         kwargs: Dict[str, Any] = dict(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw, partition_fn=partition)
@@ -82,14 +87,16 @@ class DeepCompileBackend:
             node = placeholders[index]
             params[node] = ds_id
             record.fw_param_names[node.name] = ds_id
-        insert_gather_release(gm, record.graph_id, params)
-        gm.recompile()
+        if self.stage == 3:
+            insert_gather_release(gm, record.graph_id, params)
+            gm.recompile()
         return self._inner_compile(gm, inputs, is_backward=False)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         record.needs_backward = True
-        params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
-        insert_gather_release(gm, record.graph_id, params)
+        if self.stage == 3:
+            params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
+            insert_gather_release(gm, record.graph_id, params)
         insert_reductions(gm, record.graph_id, record.param_slots)
         gm.recompile()
         return self._inner_compile(gm, inputs, is_backward=True)

@@ -64,8 +64,11 @@ class ShardedOptimizer:
         return norm
 
     def step(self) -> None:
+        from deepcompile import runtime
+
         for sp in self.trainable:
-            sp.master.grad = sp.grad_partition
+            # As in torch: a parameter that got no gradient in this window is not stepped.
+            sp.master.grad = sp.grad_partition if runtime.was_reduced(sp.ds_id) else None
         self.optimizer.step()
         with torch.no_grad():
             for sp in self.trainable:

@@ -1,0 +1,170 @@
+"""ZeRO-1/2 state of an engine: replicated parameters, partitioned fp32 master weights,
+optimizer state and gradients.
+
+Each optimizer param group is one flat vector (its trainable parameters, flattened, in order),
+padded to ``world * partition_numel``; rank ``r`` owns ``[r * P, (r + 1) * P)``. This rank keeps
+the fp32 master weights of its partition (the optimizer is re-targeted at them, so its state is
+partitioned too) and receives the averaged gradients of its partition only: the runtime reduces
+each parameter's gradient to the ranks owning its pieces, never all-reducing it.
+
+Gradient targets are step-local (seed 001): at the first backward of an accumulation window a
+zeroed fp32 flat gradient partition is allocated per group and its per-parameter views are bound
+as reduce targets; the runtime drops every reference to them before the optimizer step, which
+uses the partition as the master weights' gradient, and the partition is freed after the step.
+ZeRO-1 reduces once per window (micro-steps accumulate locally in the runtime); ZeRO-2 reduces
+every micro-step into the partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from deepcompile import runtime
+from deepcompile.eager_fallback import EAGER_GRAPH_ID
+
+
+@dataclasses.dataclass
+class GroupPartition:
+    params: List[nn.Parameter]
+    ds_ids: List[int]
+    offsets: List[int]  # flat offset of each parameter in the group
+    partition_numel: int
+    master: nn.Parameter  # (partition_numel,) fp32, this rank's slice of the group
+    grad: Optional[torch.Tensor] = None  # step-local fp32 gradient partition
+
+
+class Zero12Sharding:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
+                 stage: int):
+        if optimizer.state:
+            raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
+        self.stage = stage
+        self.module = model
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.ds_id_of: Dict[int, int] = {}
+        self.groups: List[GroupPartition] = []
+        with torch.no_grad():
+            for p in model.parameters():  # identical replicas on every rank
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        for group_dict in optimizer.param_groups:
+            params = [p for p in group_dict["params"] if p.requires_grad]
+            for p in group_dict["params"]:
+                if id(p) not in names:
+                    raise ValueError("deepcompile.initialize: the optimizer holds a tensor that is not a parameter of the model")
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) > 1:
+                raise ValueError(f"deepcompile.initialize: a param group mixes dtypes {sorted(map(str, dtypes))}; "
+                                 "ZeRO-1/2 needs one dtype per group")
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            partition = max(1, -(-total // self.world))
+            flat = torch.zeros(partition * self.world, dtype=torch.float32, device=params[0].device if params else "cpu")
+            for p, off in zip(params, offsets):
+                flat[off : off + p.numel()] = p.detach().reshape(-1).float()
+            master = nn.Parameter(flat[self.rank * partition : (self.rank + 1) * partition].clone())
+            ids = []
+            for p, off in zip(params, offsets):
+                ds_id = len(self.ds_id_of)
+                self.ds_id_of[id(p)] = ds_id
+                p.ds_id = ds_id
+                ids.append(ds_id)
+                runtime.register_z12_param(ds_id, list(p.shape), p, off, partition)
+            self.groups.append(GroupPartition(params, ids, offsets, partition, master))
+            group_dict["params"] = [master]
+        self.optimizer = optimizer
+        # Eager frames (and the engine without compile()) reduce through the runtime as well.
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._reduce_eager_grad)
+            for g in self.groups for p in g.params
+        ]
+
+    def _reduce_eager_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # compiled graphs reduce in-graph and hand autograd None
+            return
+        torch.ops.dc.reduce_grad(p.grad.contiguous(), EAGER_GRAPH_ID, self.ds_id_of[id(p)])
+        p.grad = None
+
+    # ---- step-local gradient partitions ----------------------------------------------------
+
+    def before_backward(self, boundary: bool) -> None:
+        """Bind the targets at the first backward that synchronizes gradients in this window."""
+        if self.stage == 1 and not boundary:
+            return  # ZeRO-1 micro-steps accumulate in the runtime; nothing to bind
+        for g in self.groups:
+            if g.grad is not None:
+                continue
+            g.grad = torch.zeros_like(g.master, dtype=torch.float32)
+            lo, hi = self.rank * g.partition_numel, (self.rank + 1) * g.partition_numel
+            for p, ds_id, off in zip(g.params, g.ds_ids, g.offsets):
+                begin, end = max(off, lo), min(off + p.numel(), hi)
+                if end > begin:
+                    runtime.bind_grad_target(ds_id, g.grad[begin - lo : end - lo], zero=False)
+
+    def step(self, clip: float) -> None:
+        # The optimizer-facing partitions exist: the runtime lets go of them before the step.
+        runtime.unbind_grad_targets()
+        grads = [g.grad if g.grad is not None else torch.zeros_like(g.master) for g in self.groups]
+        if clip > 0:
+            local = torch.stack([t.double().pow(2).sum() for t in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+            dist.all_reduce(local, group=self.group)
+            coef = clip / (local.sqrt().float() + 1e-6)
+            if coef < 1:
+                for t in grads:
+                    t.mul_(coef)
+        # A parameter that got no gradient in this window keeps its values, as torch skips it.
+        # (Its slice of the flat optimizer state still advances with a zero gradient.)
+        untouched = self._unreduced_slices()
+        for g, grad in zip(self.groups, grads):
+            g.master.grad = grad
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, lo, hi, saved in untouched:
+                master[lo:hi] = saved
+        for g in self.groups:
+            g.master.grad = None
+            g.grad = None
+        self._gather_updated_params()
+
+    def _unreduced_slices(self):
+        saved = []
+        for g in self.groups:
+            lo, hi = self.rank * g.partition_numel, (self.rank + 1) * g.partition_numel
+            for p, ds_id, off in zip(g.params, g.ds_ids, g.offsets):
+                begin, end = max(off, lo), min(off + p.numel(), hi)
+                if end > begin and not runtime.was_reduced(ds_id):
+                    saved.append((g.master.data, begin - lo, end - lo, g.master.data[begin - lo : end - lo].clone()))
+        return saved
+
+    @torch.no_grad()
+    def _gather_updated_params(self) -> None:
+        for g in self.groups:
+            if not g.params:
+                continue
+            dtype = g.params[0].dtype
+            # gloo cannot gather every half type on every torch version; fp32 is exact.
+            comm_dtype = torch.float32 if g.master.device.type == "cpu" else dtype
+            flat = torch.empty(g.partition_numel * self.world, dtype=comm_dtype, device=g.master.device)
+            dist.all_gather_into_tensor(flat, g.master.detach().to(comm_dtype), group=self.group)
+            for p, off in zip(g.params, g.offsets):
+                p.copy_(flat[off : off + p.numel()].view_as(p))
+
+    def eagerly_gathered_params(self) -> List[str]:
+        return []  # parameters are replicated: nothing is ever gathered
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,65 @@
+"""ZeRO-3 state of an engine: partitioned parameters, sharded optimizer, eager gathering."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from deepcompile import runtime
+from deepcompile.eager_fallback import EAGER_GRAPH_ID, EagerGatherHooks
+from deepcompile.zero.optimizer import ShardedOptimizer
+from deepcompile.zero.partition import ShardedParam, partition_parameters
+
+
+class Zero3Sharding:
+    stage = 3
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup]):
+        self.module = model
+        self.params: List[ShardedParam] = partition_parameters(
+            model, config.zero_optimization.stage3_param_persistence_threshold, group
+        )
+        self.optimizer = ShardedOptimizer(optimizer, self.params, group)
+        runtime.register_z3_params(
+            [sp.ds_id for sp in self.params],
+            [list(sp.shape) for sp in self.params],
+            [sp.shard for sp in self.params],
+            [sp.grad_partition for sp in self.params],
+            [sp.persistent for sp in self.params],
+            [torch.float32 if sp.trainable else None for sp in self.params],
+        )
+        self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
+        self.eager = EagerGatherHooks(model, self.params)
+
+    def before_backward(self, boundary: bool) -> None:
+        pass
+
+    def step(self, clip: float) -> None:
+        if clip > 0:
+            self.optimizer.clip_grad_norm(clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        # Shards changed: gathered copies (persistent ones included) are stale.
+        runtime.invalidate_all_gathered()
+
+    def eagerly_gathered_params(self) -> List[str]:
+        return [sp.name for sp in self.params if sp.ds_id in self.eager.gathered_ids]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        full: Dict[int, torch.Tensor] = {}
+        for sp in self.params:
+            gathered = torch.ops.dc.allgather_param(sp.param, EAGER_GRAPH_ID, sp.ds_id)
+            gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, sp.ds_id)
+            full[id(sp.param)] = gathered.detach().cpu().clone()
+            torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, sp.ds_id, 1)
+        out: Dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = full[id(value)] if id(value) in full else value.detach().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        self.eager.remove()

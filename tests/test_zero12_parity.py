@@ -1,0 +1,94 @@
+"""ZeRO-1 and ZeRO-2 end to end against single-process training (2 ranks).
+
+Same tolerances as the ZeRO-3 suite (see test_zero3_parity.py). Also checks the seed-001
+invariant: during the optimizer step the runtime references no gradient target and no reduce
+bucket.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parity_extra  # noqa: F401  (registers the extra models)
+from multiproc import run_distributed
+from parity_cases import train_engine, train_reference, assert_parity
+from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
+
+WORLD = 2
+
+
+def config(stage, **extra):
+    cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 48}}
+    cfg.update(extra)
+    return cfg
+
+
+def _check_lifetimes_during_step(engine):
+    """Seed 001: the optimizer step runs with no runtime reference to targets or buckets."""
+    from deepcompile import runtime
+
+    seen = []
+
+    def pre_step(optimizer, args, kwargs):
+        held = [i for i in engine.sharding.ds_id_of.values() if runtime.holds_grad_target(i)]
+        seen.append((held, runtime.reduce_bucket_numel(), runtime.pending_reduce_tasks()))
+
+    engine.optimizer.register_step_pre_hook(pre_step)
+    return seen
+
+
+def _body(ctx, name, stage, backend, steps, gas=1, bf16=False, clip=0.0):
+    import deepcompile.engine as engine_mod
+
+    cfg = config(stage, gradient_accumulation_steps=gas, gradient_clipping=clip)
+    seen = []
+    original_init = engine_mod.Engine.__init__
+
+    def init_and_watch(self, *a, **k):
+        original_init(self, *a, **k)
+        seen.extend([])  # keep a reference for the closure below
+        self._lifetime_log = _check_lifetimes_during_step(self)
+
+    engine_mod.Engine.__init__ = init_and_watch
+    try:
+        got, engine = train_engine(name, steps, cfg, backend, ctx.device,
+                                   dtype=torch.bfloat16 if bf16 else torch.float32)
+    finally:
+        engine_mod.Engine.__init__ = original_init
+    ref = train_reference(name, steps, gas=gas, clip=clip, device=ctx.device)
+    tol = BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL
+    assert_parity(got, ref, **tol)
+    log = engine._lifetime_log
+    assert len(log) == steps // gas, log  # one optimizer step per window
+    for held, bucket_numel, pending in log:
+        assert held == [] and bucket_numel == 0 and pending == 0, (held, bucket_numel, pending)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    "name,backend",
+    [("mlp", None), ("mlp", "eager"), ("llama", "eager"), ("lora", "eager"), ("frozen_first_graph", "eager"),
+     ("with_empty", "eager"), ("graph_break", "eager"), ("partly_disabled", "eager")],
+)
+def test_zero12_parity(stage, name, backend):
+    run_distributed(_body, WORLD, args=(name, stage, backend, 4), timeout=300)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_gradient_accumulation_many_windows(stage):
+    run_distributed(_body, WORLD, args=("mlp", stage, "eager", 16), kwargs={"gas": 4})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_bf16(stage):
+    run_distributed(_body, WORLD, args=("mlp", stage, "eager", 4), kwargs={"bf16": True})
+
+
+def test_zero1_bf16_accumulation_inductor():
+    run_distributed(_body, WORLD, args=("mlp", 1, "inductor", 8), kwargs={"gas": 4, "bf16": True}, timeout=300)
+
+
+def test_zero2_clipping():
+    run_distributed(_body, WORLD, args=("mlp", 2, "eager", 4), kwargs={"clip": 0.5})
