@@ -3,6 +3,7 @@ DeepSpeed-style loop ``loss = engine(batch); engine.backward(loss); engine.step(
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -17,6 +18,23 @@ from deepcompile.zero.stage12 import Zero12Sharding
 
 _BACKENDS = ("inductor", "eager")
 _ACTIVE: Optional["Engine"] = None
+
+
+def _check_implemented(config: Config) -> None:
+    """Refuse or announce accepted settings whose feature does not exist yet (never ignore them silently)."""
+    if config.compile.free_activation:
+        raise ValueError("compile.free_activation is not supported yet; set it to false")
+    pending = [k for k in ("prefetch", "selective_gather") if getattr(config.compile, k)]
+    if config.zero_optimization.stage == 3 and pending and dist.get_rank() == 0:
+        warnings.warn(
+            f"compile.{' and compile.'.join(pending)} (profile-guided scheduling) is not implemented yet; "
+            "parameters are gathered right before their first use. Set them to false to silence this.",
+            stacklevel=3,
+        )
+    for key in ("debug_log", "report_dir"):
+        if getattr(config.compile, key) and dist.get_rank() == 0:
+            warnings.warn(f"compile.{key} has no effect yet (schedule reports come with profile-guided scheduling)",
+                          stacklevel=3)
 
 
 def active_engine() -> "Engine":
@@ -40,6 +58,7 @@ class Engine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = next(model.parameters()).device
         config.check_batch_size(self.world_size)
+        _check_implemented(config)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
         if self.stage == 3:

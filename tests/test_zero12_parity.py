@@ -92,3 +92,24 @@ def test_zero1_bf16_accumulation_inductor():
 
 def test_zero2_clipping():
     run_distributed(_body, WORLD, args=("mlp", 2, "eager", 4), kwargs={"clip": 0.5})
+
+
+def _unimplemented_settings_body(ctx):
+    import warnings
+
+    import deepcompile
+
+    model = torch.nn.Linear(3, 3).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="free_activation is not supported"):
+        deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "compile": {"free_activation": True}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}})
+    if ctx.rank == 0:
+        assert any("not implemented yet" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    engine.destroy()
+
+
+def test_unimplemented_settings_are_not_silently_ignored():
+    run_distributed(_unimplemented_settings_body, WORLD)
