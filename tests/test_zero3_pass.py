@@ -1,0 +1,74 @@
+"""Structure of the ZeRO-3 pass on small ATen graphs (no runtime needed: nothing executes)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import deepcompile  # noqa: F401  (loads torch.ops.dc)
+from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
+
+dc = torch.ops.dc
+
+
+def _trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _params(gm, count):
+    return {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if i < count}
+
+
+def _order(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_gather_before_first_use_and_release_after_last_use():
+    def f(w1, w2, x):
+        h = torch.relu(x @ w1.t())
+        return (h @ w2.t()).sum() + w1.sum()
+
+    gm = _trace(f, torch.randn(5, 3), torch.randn(2, 5), torch.randn(4, 3))
+    params = _params(gm, 2)
+    insert_gather_release(gm, graph_id=7, params=params)
+    order = _order(gm)
+    for param, ds_id in params.items():
+        (gather,) = [u for u in param.users]  # the placeholder now feeds only its gather
+        assert gather.target is dc.allgather_param.default and gather.args[1:3] == (7, ds_id)
+        (wait,) = list(gather.users)
+        assert wait.target is dc.wait_allgather.default
+        releases = [n for n in gm.graph.nodes if n.target is dc.release_param.default and n.args[2] == ds_id]
+        assert len(releases) == 1 and releases[0].args[3] == 1
+        readers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not dc.release_param.default
+                   and any(a is wait or (isinstance(a, torch.fx.Node) and a.args and a.args[0] is wait) for a in n.args)]
+        assert all(order[r] < order[releases[0]] for r in readers)
+        # Nothing reads the gathered value (or a view of it) after its release.
+        assert order[gather] < min(order[r] for r in readers)
+
+
+def test_cast_only_use_is_fused_into_the_gather():
+    def f(w, x):
+        return x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()
+
+    gm = _trace(f, torch.randn(5, 3), torch.randn(4, 3))
+    params = _params(gm, 1)
+    insert_gather_release(gm, graph_id=1, params=params)
+    gathers = [n for n in gm.graph.nodes if n.target is dc.allgather_param.default]
+    assert len(gathers) == 1 and gathers[0].kwargs["dtype"] == torch.bfloat16
+    # The cast of the parameter is gone: the graph reads the narrow gather directly.
+    (param,) = params
+    assert not any(n.target is torch.ops.prims.convert_element_type.default and n.args[0] is param for n in gm.graph.nodes)
+
+
+def test_backward_gradients_are_reduced_and_returned_as_none():
+    def bw(w, g):
+        return (g * 2, None, w * 3)
+
+    gm = _trace(bw, torch.randn(3), torch.randn(3))
+    reductions = insert_reductions(gm, graph_id=4, grad_slots={0: 11, 1: 12, 2: 13})
+    assert [r.args[2] for r in reductions] == [11, 13]  # no reduction for the None gradient
+    out = gm.graph.output_node().args[0]
+    assert list(out) == [None, None, None]
+    (end,) = [n for n in gm.graph.nodes if n.target is dc.end_backward.default]
+    assert set(end.args[0]) == set(reductions) and end.args[1:] == (4, False)
+    assert _order(gm)[end] > max(_order(gm)[r] for r in reductions)
