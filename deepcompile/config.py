@@ -235,7 +235,8 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = _key(_bool, True, INFO)
     overlap_comm: bool = _key(_bool, True, INFO + " Communication always overlaps compute.")
     allgather_bucket_size: int = _key(_integer(1), 500_000_000, INFO)
-    stage3_prefetch_bucket_size: int = _key(_integer(0), 50_000_000, INFO + " Prefetch is profile-guided.")
+    stage3_prefetch_bucket_size: int = _key(_integer(0), 50_000_000,
+                                           "ZeRO-3: elements per fused prefetch group (0: one parameter per group).")
     stage3_max_live_parameters: int = _key(_integer(0), 1_000_000_000, INFO)
     stage3_max_reuse_distance: int = _key(_integer(0), 1_000_000_000, INFO)
     offload_param: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
@@ -266,7 +267,8 @@ class CompileConfig(_Section):
     keep_all_input_tensors: bool = _key(_bool, False, "Profiling keeps real values of all graph inputs.")
     # deepcompile's own scheduling keys (not in DeepSpeed)
     warmup_steps: int = _key(_integer(0), 5, "Optimizer step at which the profile-guided passes start.")
-    prefetch: bool = _key(_bool, True, "ZeRO-3: schedule profile-guided parameter prefetch after warmup.")
+    prefetch: bool = _key(_bool, True, "ZeRO-3: launch each group of all-gathers one group ahead of its use (static; "
+                           "profile-guided budgets come later).")
     selective_gather: bool = _key(_bool, True, "ZeRO-3: keep parameters gathered where memory allows.")
     memory_budget_fraction: float = _key(_number(0.0, 1.0, low_open=True), 0.9,
                                          "Fraction of device memory the profile-guided passes may plan for.")

@@ -24,11 +24,10 @@ def _check_implemented(config: Config) -> None:
     """Refuse or announce accepted settings whose feature does not exist yet (never ignore them silently)."""
     if config.compile.free_activation:
         raise ValueError("compile.free_activation is not supported yet; set it to false")
-    pending = [k for k in ("prefetch", "selective_gather") if getattr(config.compile, k)]
-    if config.zero_optimization.stage == 3 and pending and dist.get_rank() == 0:
+    if config.zero_optimization.stage == 3 and config.compile.selective_gather and dist.get_rank() == 0:
         warnings.warn(
-            f"compile.{' and compile.'.join(pending)} (profile-guided scheduling) is not implemented yet; "
-            "parameters are gathered right before their first use. Set them to false to silence this.",
+            "compile.selective_gather (profile-guided selective unsharding) is not implemented yet; only "
+            "parameters under stage3_param_persistence_threshold stay gathered. Set it to false to silence this.",
             stacklevel=3,
         )
     for key in ("debug_log", "report_dir"):

@@ -67,7 +67,7 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
     engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                     "compile": {"prefetch": False, "selective_gather": False}})
+                                     "compile": {"selective_gather": False}})
     engine.compile(backend="inductor")
 
     def step():
@@ -76,7 +76,8 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
 
     _, codes = run_and_get_code(step)
     code = "\n".join(codes)
-    for op in ("dc.allgather_param", "dc.wait_allgather", "dc.release_param", "dc.reduce_grad", "dc.end_backward"):
+    for op in ("dc.prefetch_params_fused", "dc.allgather_param", "dc.wait_allgather", "dc.release_param",
+               "dc.reduce_grad", "dc.end_backward"):
         assert op in code, f"{op} missing from Inductor's output"
     engine.destroy()
     torch._dynamo.reset()

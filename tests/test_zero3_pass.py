@@ -72,3 +72,29 @@ def test_backward_gradients_are_reduced_and_returned_as_none():
     (end,) = [n for n in gm.graph.nodes if n.target is dc.end_backward.default]
     assert set(end.args[0]) == set(reductions) and end.args[1:] == (4, False)
     assert _order(gm)[end] > max(_order(gm)[r] for r in reductions)
+
+
+def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
+    from deepcompile.passes.prefetch import group_gathers, insert_prefetch
+
+    def f(w1, w2, w3, x):
+        h = torch.relu(x @ w1.t())
+        h = torch.relu(h @ w2.to(torch.bfloat16).float().t())
+        return (h @ w3.t()).sum()
+
+    gm = _trace(f, torch.randn(5, 3), torch.randn(5, 5), torch.randn(2, 5), torch.randn(4, 3))
+    insert_gather_release(gm, graph_id=3, params=_params(gm, 3))
+    # Caps of 25 elements: [w1 (15)], [w2 (25)], [w3 (10)] -- w1 + w2 would exceed the cap.
+    assert [len(g) for g in group_gathers(gm, 25)] == [1, 1, 1]
+    assert [len(g) for g in group_gathers(gm, 40)] == [2, 1]
+    assert insert_prefetch(gm, graph_id=3, max_group_numel=40) == 2
+    order = _order(gm)
+    prefetches = [n for n in gm.graph.nodes if n.target is dc.prefetch_params_fused.default]
+    gathers = [n for n in gm.graph.nodes if n.target is dc.allgather_param.default]
+    # Group 0 (w1, w2) launched before its first gather, group 1 (w3) right after that launch.
+    assert [p.args[2] for p in prefetches] == [[0, 1], [2]]
+    assert order[prefetches[0]] < order[prefetches[1]] < order[gathers[0]]
+    # The fused-cast dtype of w2 is kept in the prefetch.
+    assert prefetches[0].kwargs["dtypes"] == [torch.float32, torch.bfloat16]
+    for p in prefetches:
+        assert all(a.op == "placeholder" for a in p.args[1])

@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import compat, runtime
 from deepcompile.compiler.partitioner import make_partition_fn
+from deepcompile.passes.prefetch import insert_prefetch
 from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class DeepCompileBackend:
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
         self.stage = engine.stage
+        cfg = engine.config
+        # Static prefetch (ZeRO-3): fused groups of at most stage3_prefetch_bucket_size elements.
+        self.prefetch_group_numel = (
+            cfg.zero_optimization.stage3_prefetch_bucket_size if cfg.compile.prefetch else None
+        )
         self._ds_id_of = engine.sharding.ds_id_of
         compat.mark_ops_side_effectful()
 
@@ -89,6 +95,7 @@ class DeepCompileBackend:
             record.fw_param_names[node.name] = ds_id
         if self.stage == 3:
             insert_gather_release(gm, record.graph_id, params)
+            self._prefetch(gm, record)
             gm.recompile()
         return self._inner_compile(gm, inputs, is_backward=False)
 
@@ -97,9 +104,14 @@ class DeepCompileBackend:
         if self.stage == 3:
             params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
             insert_gather_release(gm, record.graph_id, params)
+            self._prefetch(gm, record)
         insert_reductions(gm, record.graph_id, record.param_slots)
         gm.recompile()
         return self._inner_compile(gm, inputs, is_backward=True)
+
+    def _prefetch(self, gm: GraphModule, record: GraphRecord) -> None:
+        if self.prefetch_group_numel is not None:
+            insert_prefetch(gm, record.graph_id, self.prefetch_group_numel)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
