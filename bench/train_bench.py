@@ -1,0 +1,594 @@
+"""Training throughput and memory of deepcompile ZeRO-1/2/3 against FSDP2 and DDP, in one table.
+
+    torchrun --nproc-per-node 2 bench/train_bench.py [--preset tiny|8b] [--methods z3,z1,...]
+                                                     [--warmup 5] [--steps 10] [--markdown PATH]
+
+Every method trains the same randomly initialised ``transformers.LlamaForCausalLM``
+(attn_implementation="sdpa") on random token ids (labels = input ids), with AdamW, one method after
+the other in this process. Per method: build a fresh model with the same seed, run the warm-up
+steps (the first one compiles), time the measured steps, then tear everything down (engine,
+model, optimizer, Dynamo caches, CUDA cache) so the next method starts from a clean device.
+
+The rows and how each one keeps its weights:
+
+* ``deepcompile ZeRO-3`` / ``ZeRO-1`` / ``ZeRO-2``: bf16 model on the device, ``bf16.enabled``;
+  the engine keeps the fp32 master weights (and Adam state) partitioned over the ranks.
+* ``FSDP2 + compile``: the usual FSDP2 recipe. The model stays fp32 (the sharded parameters are
+  the fp32 master weights); ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` casts
+  what is gathered for compute and reduces gradients in fp32. ``fully_shard`` on every decoder
+  layer and on the root, then ``torch.compile(model)``.
+* ``DDP + compile``: *not* DDP over a bf16 model. A bf16 DDP model would run AdamW on bf16
+  weights (no fp32 master copy at all), which is a different, less accurate training recipe and
+  not comparable with the others. Instead the model is fp32 (weights, gradients, all-reduce and
+  Adam state in fp32, replicated) and the forward runs under ``torch.autocast(bfloat16)``, the
+  standard mixed-precision DDP recipe. Then ``torch.compile`` of the DDP module (DDPOptimizer
+  splits the graph at bucket boundaries).
+* ``deepcompile ZeRO-3 + passes`` (key ``z3-passes``, not run by default): placeholder for ZeRO-3
+  with the profile-guided passes (``compile.prefetch`` / ``compile.selective_gather``). They are
+  not implemented yet, so the row says "n/a" with that reason; never made-up numbers.
+
+Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
+
+* step time: median over the measured steps of the wall time of forward + backward + optimizer
+  step, bracketed by ``torch.cuda.synchronize()``.
+* tokens/s/GPU: micro_batch * seq / step time.
+* TFLOP/s/GPU: model FLOPs, flops_per_token * micro_batch * seq / step time, with
+  flops_per_token = 6 * N_params + 12 * n_layers * hidden * seq (N_params counts all parameters,
+  embeddings and LM head included; recomputation is not counted).
+* peak mem: ``torch.cuda.max_memory_allocated`` since ``reset_peak_memory_stats`` at the start of
+  the method (model construction included: each model is built directly in its training dtype on
+  the device, so construction never exceeds the training peak in practice). "n/a" on CPU.
+* compile: wall time of the first step, which includes Dynamo tracing and backend compilation.
+* loss: the loss of the last measured step (a sanity check that every method trains the same
+  model; on random tokens it stays near ln(vocab)).
+
+A method that does not fit prints "OOM" (out-of-memory is caught per method; it is expected to hit
+all ranks alike, since every rank runs the same shapes). Any other failure prints "error" with the
+exception, and the next method still runs.
+
+Devices: with CUDA, NCCL and one GPU per rank (cuda:LOCAL_RANK), backend "inductor" by default;
+without, gloo on CPU and backend "eager" by default (quick smoke runs: ``--preset tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `import deepcompile` must be this checkout (the one being benchmarked), not another installed copy.
+sys.path.insert(0, REPO_ROOT)
+
+import deepcompile  # noqa: E402
+
+GIB = 1024**3
+
+# ------------------------------------------------------------------------------------- options
+
+PRESETS: Dict[str, Dict[str, int]] = {
+    # 8B-class (Llama-3-8B shapes). Probably does not fit for every method; OOM is reported per row.
+    "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    # CPU smoke runs. Small deepcompile thresholds so that even this model has gathered (not
+    # persistent) ZeRO-3 parameters and several reduce buckets, as the large models do.
+    "tiny": dict(hidden=64, layers=2, heads=4, intermediate=172, vocab=256, seq=64, micro_batch=2,
+                 persistence_threshold=1_000, reduce_bucket_size=20_000),
+}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model/batch preset: its values replace the defaults; options given explicitly still win")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}), or 'all'")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps, the first (compiling) one included; >= 1")
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--backend", choices=["inductor", "eager"], default=None,
+                   help="compiler backend of deepcompile and torch.compile (default: inductor on CUDA, eager on CPU)")
+    p.add_argument("--reduce-bucket-size", type=float, default=5e7,
+                   help="deepcompile zero_optimization.reduce_bucket_size in elements (default 5e7, about one "
+                        "decoder layer of the default model; the library default 5e8 allocates two 500M-element "
+                        "buckets up front and leaves a 1B model a single bucket, i.e. no overlap)")
+    p.add_argument("--persistence-threshold", type=float, default=1e5,
+                   help="deepcompile zero_optimization.stage3_param_persistence_threshold (elements)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold-compile", action="store_true",
+                   help="disable Inductor/AOTAutograd caches, so every row's compile time is a cold compile "
+                        "(by default a later row may reuse kernels an earlier row or an earlier run compiled)")
+    p.add_argument("--markdown", metavar="PATH", help="also append the table as Markdown to PATH")
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**PRESETS[preset])
+    args = p.parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    keys = list(METHODS) if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [k for k in keys if k not in METHODS]
+    if unknown or not keys:
+        p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    args.methods = keys
+    args.reduce_bucket_size = int(args.reduce_bucket_size)
+    args.persistence_threshold = int(args.persistence_threshold)
+    return args
+
+
+# ------------------------------------------------------------------------------------- context
+
+
+@dataclasses.dataclass
+class Context:
+    """What every method needs: the run's options, the device and the pre-generated batches."""
+
+    args: argparse.Namespace
+    device: torch.device
+    backend: str
+    rank: int
+    world: int
+    batches: List[torch.Tensor]  # (micro_batch, seq) token ids, one per step, this rank's slice
+    n_params: int  # parameters of the model, for the FLOP count
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq, attn_implementation="sdpa",
+        use_cache=False,  # training: no KV cache objects in the traced graph
+    )
+
+
+def count_params(args: argparse.Namespace) -> int:
+    """Parameters of the model (tied ones once), counted on the meta device: no memory, no init."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config(args))
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(args: argparse.Namespace, n_params: int) -> float:
+    return 6 * n_params + 12 * args.layers * args.hidden * args.seq
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(ctx: Context, dtype: torch.dtype) -> torch.nn.Module:
+    """A fresh model, built directly on the device in ``dtype`` (no fp32 copy first, so the peak
+    memory of a bf16 method is not inflated by construction), identical on every rank."""
+    torch.manual_seed(ctx.args.seed)
+    with torch.device(ctx.device), default_dtype(dtype):
+        model = LlamaForCausalLM(model_config(ctx.args))
+    # Same seed gives the same weights on every rank already; the broadcast makes it a guarantee
+    # (FSDP2 and deepcompile ZeRO-3 shard whatever each rank holds).
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    model.train()
+    return model
+
+
+def make_optimizer(ctx: Context, params) -> torch.optim.Optimizer:
+    # The same optimizer (torch's default implementation for the device) for every method.
+    return torch.optim.AdamW(params, lr=ctx.args.lr)
+
+
+def make_batches(args: argparse.Namespace, rank: int, device: torch.device) -> List[torch.Tensor]:
+    """Random token ids, different per rank and step, identical for every method."""
+    out = []
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+        out.append(torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device))
+    return out
+
+
+# ------------------------------------------------------------------------------------- methods
+
+
+class Unavailable(Exception):
+    """A method that cannot run in this build or on this device; the message is the reason."""
+
+
+@dataclasses.dataclass
+class Runner:
+    """One method, set up: ``step(tokens)`` runs forward + backward + optimizer step and returns
+    the loss (not synchronised); ``note()`` says anything worth a note after the run; ``close()``
+    releases what only an explicit call can release."""
+
+    step: Callable[[torch.Tensor], torch.Tensor]
+    close: Callable[[], None] = lambda: None
+    note: Callable[[], str] = lambda: ""
+
+
+def deepcompile_runner(ctx: Context, stage: int, passes: bool = False) -> Runner:
+    model = build_model(ctx, torch.bfloat16)  # deepcompile needs the bf16 model on the device
+    optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
+    config = {
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": ctx.args.reduce_bucket_size,
+            "stage3_param_persistence_threshold": ctx.args.persistence_threshold,
+        },
+        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": ctx.args.micro_batch,
+        # The profile-guided passes are not implemented; false avoids the engine's warning.
+        "compile": {"prefetch": passes, "selective_gather": passes},
+    }
+    try:
+        engine = deepcompile.initialize(model, optimizer, config)
+    except BaseException:
+        deepcompile.runtime.cleanup()  # initialize may fail after creating the runtime
+        raise
+    engine.compile(backend=ctx.backend)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def note() -> str:
+        # ZeRO-3 parameters used outside the compiled graphs (graph breaks) are gathered by
+        # module hooks, unscheduled: correct but slower. Say so rather than hide it in the time.
+        eager = engine.eagerly_gathered_params() if stage == 3 else []
+        return f"{len(eager)} parameters gathered eagerly (graph breaks)" if eager else ""
+
+    return Runner(step, close=engine.destroy, note=note)
+
+
+def zero3_passes_runner(ctx: Context) -> Runner:
+    # Placeholder. When compile.prefetch / compile.selective_gather are implemented, replace this
+    # with `return deepcompile_runner(ctx, stage=3, passes=True)` (and make sure --warmup covers
+    # compile.warmup_steps, the step at which the passes start).
+    raise Unavailable("profile-guided passes (compile.prefetch, compile.selective_gather) are not implemented yet")
+
+
+def fsdp2_runner(ctx: Context) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(ctx, torch.float32)  # fp32 shards are the master weights
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, LM head
+    optimizer = make_optimizer(ctx, model.parameters())  # DTensor shards
+    compiled = torch.compile(model, backend=ctx.backend)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return Runner(step)
+
+
+def ddp_runner(ctx: Context) -> Runner:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build_model(ctx, torch.float32)  # fp32 weights + autocast: see the module docstring
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+    optimizer = make_optimizer(ctx, ddp.parameters())
+    compiled = torch.compile(ddp, backend=ctx.backend)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return Runner(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str  # the row label
+    build: Callable[[Context], Runner]
+
+
+# The rows; the keys are what --methods takes (the table follows the order given there; 'all' is this order).
+METHODS: Dict[str, Method] = {
+    "z3": Method("deepcompile ZeRO-3", lambda ctx: deepcompile_runner(ctx, stage=3)),
+    "z3-passes": Method("deepcompile ZeRO-3 + passes", zero3_passes_runner),
+    "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
+    "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
+    "fsdp2": Method("FSDP2 + compile", fsdp2_runner),
+    "ddp": Method("DDP + compile", ddp_runner),
+}
+# z3-passes is left out until the passes exist (it could only print n/a).
+DEFAULT_METHODS = ["z3", "z1", "z2", "fsdp2", "ddp"]
+
+
+# ------------------------------------------------------------------------------------- measuring
+
+
+@dataclasses.dataclass
+class Row:
+    """One table row. ``status`` is "ok", "n/a", "OOM" or "error"; numbers are set only when ok."""
+
+    method: str
+    status: str = "ok"
+    note: str = ""
+    step_ms: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    tflops: Optional[float] = None
+    peak_gib: Optional[float] = None
+    compile_s: Optional[float] = None
+    loss: Optional[float] = None
+
+
+@dataclasses.dataclass
+class RankMeasurement:
+    """What one rank measured for one method; rank 0 combines them into a Row."""
+
+    status: str = "ok"
+    note: str = ""
+    step_times: List[float] = dataclasses.field(default_factory=list)  # seconds, measured steps
+    compile_s: float = math.nan
+    peak_bytes: Optional[int] = None
+    loss: float = math.nan
+
+
+def sync(ctx: Context) -> None:
+    if ctx.is_cuda:
+        torch.cuda.synchronize(ctx.device)
+
+
+def teardown(ctx: Context) -> None:
+    """Leave nothing of the previous method behind: compiled code, cached blocks, garbage."""
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    if ctx.is_cuda:
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.empty_cache()
+    dist.barrier()
+
+
+def measure(ctx: Context, method: Method) -> RankMeasurement:
+    m = RankMeasurement()
+    if ctx.is_cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    runner: Optional[Runner] = None
+    try:
+        runner = method.build(ctx)
+        times = []
+        loss = None
+        for i, tokens in enumerate(ctx.batches):
+            sync(ctx)
+            start = time.perf_counter()
+            loss = runner.step(tokens)
+            sync(ctx)
+            times.append(time.perf_counter() - start)
+            if i == 0 and ctx.rank == 0:
+                print(f"  first step (compile) {times[0]:.1f} s", flush=True)
+        m.compile_s = times[0]
+        m.step_times = times[ctx.args.warmup:]
+        m.loss = loss.detach().float().item()
+        m.note = runner.note()
+        if ctx.is_cuda:
+            m.peak_bytes = torch.cuda.max_memory_allocated(ctx.device)
+    except Unavailable as e:
+        m.status, m.note = "n/a", str(e)
+    except torch.OutOfMemoryError as e:
+        m.status, m.note = "OOM", str(e).split("\n")[0][:160]
+    except Exception as e:  # one broken method must not cost the others their rows
+        m.status, m.note = "error", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        print(f"[rank {ctx.rank}] {method.name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    finally:
+        if runner is not None:
+            try:
+                runner.close()
+            except Exception as e:
+                print(f"[rank {ctx.rank}] {method.name}: close failed: {e!r}", file=sys.stderr, flush=True)
+        del runner
+        teardown(ctx)
+    return m
+
+
+def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Row:
+    row = Row(method.name, note=per_rank[0].note)
+    bad = [(r, m) for r, m in enumerate(per_rank) if m.status != "ok"]
+    if bad:
+        rank, m = bad[0]
+        row.status = m.status
+        row.note = m.note if rank == 0 or m.status == "n/a" else f"rank {rank}: {m.note}"
+        return row
+    # The ranks wait for each other in collectives; the slowest rank is the step time.
+    step_s = max(statistics.median(m.step_times) for m in per_rank)
+    tokens = ctx.args.micro_batch * ctx.args.seq
+    row.step_ms = step_s * 1e3
+    row.tokens_per_s = tokens / step_s
+    row.tflops = flops_per_token(ctx.args, ctx.n_params) * tokens / step_s / 1e12
+    row.compile_s = max(m.compile_s for m in per_rank)
+    if all(m.peak_bytes is not None for m in per_rank):
+        row.peak_gib = max(m.peak_bytes for m in per_rank) / GIB
+    row.loss = sum(m.loss for m in per_rank) / len(per_rank)
+    return row
+
+
+# ------------------------------------------------------------------------------------- output
+
+COLUMNS = ["method", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "peak mem (GiB)", "compile (s)", "loss", "note"]
+
+
+def cells(row: Row) -> List[str]:
+    def num(value: Optional[float], fmt: str) -> str:
+        if row.status != "ok":
+            return row.status  # "n/a", "OOM" or "error" in every number column
+        if value is None:
+            return "n/a"
+        # Tiny smoke-run models would print 0.0; keep three significant digits there.
+        return format(value, fmt) if abs(value) >= 1 or value == 0 else format(value, ".3g")
+
+    return [row.method, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
+            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.loss, ".4f"), row.note]
+
+
+def text_table(rows: List[Row]) -> str:
+    body = [COLUMNS] + [cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+    fmt = lambda line: "  ".join(c.ljust(w) if i in (0, len(line) - 1) else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+    rule = "-" * len(fmt(COLUMNS))
+    return "\n".join([fmt(COLUMNS), rule] + [fmt(line) for line in body[1:]])
+
+
+def markdown_table(rows: List[Row]) -> str:
+    esc = lambda s: s.replace("|", "\\|")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "| " + " | ".join(["---"] + ["---:"] * 6 + ["---"]) + " |"]
+    lines += ["| " + " | ".join(esc(c) for c in cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + (" (modified)" if dirty else "")) if rev else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def environment(ctx: Context) -> Dict[str, str]:
+    a = ctx.args
+    if ctx.is_cuda:
+        device = torch.cuda.get_device_name(ctx.device)
+        version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    else:
+        device, nccl = "CPU", "n/a (gloo)"
+    return {
+        "command": "torchrun --nproc-per-node {} {}".format(ctx.world, shlex.join(sys.argv)),
+        "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "device": f"{ctx.world} x {device}",
+        "world size": str(ctx.world),
+        "torch": torch.__version__ + (f", CUDA {torch.version.cuda}" if ctx.is_cuda else ""),
+        "NCCL": nccl,
+        "deepcompile commit": git_revision(),
+        "model": (f"Llama hidden {a.hidden}, layers {a.layers}, heads {a.heads} (kv {a.kv_heads}), "
+                  f"intermediate {a.intermediate}, vocab {a.vocab}; {ctx.n_params / 1e6:,.1f} M parameters"),
+        "batch": f"micro-batch {a.micro_batch} x seq {a.seq} per rank",
+        "steps": f"{a.warmup} warm-up (first compiles) + {a.steps} measured; backend {ctx.backend}",
+        "compile caches": "off (cold compiles)" if a.cold_compile else "on (a row may reuse earlier compiles)",
+        "deepcompile": (f"reduce_bucket_size {a.reduce_bucket_size:,}, "
+                        f"stage3_param_persistence_threshold {a.persistence_threshold:,}"),
+        "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
+    }
+
+
+def append_markdown(path: str, env: Dict[str, str], rows: List[Row]) -> None:
+    lines = [f"## {env['date (UTC)']} UTC, {env['device']}", ""]
+    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", markdown_table(rows), ""]
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        if new:
+            f.write("# Benchmark results (bench/train_bench.py)\n\n")
+        f.write("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def setup() -> tuple:
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    device, rank, world = setup()
+    backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
+    if args.cold_compile:
+        # Also keeps artifacts of older builds out (NOTES.md: cached graphs and dc op registrations).
+        import torch._inductor.config as inductor_config
+
+        inductor_config.force_disable_caches = True
+    ctx = Context(args, device, backend, rank, world, make_batches(args, rank, device), count_params(args))
+    env = environment(ctx)
+    if rank == 0:
+        print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
+
+    rows = []
+    for key in args.methods:
+        method = METHODS[key]
+        if rank == 0:
+            print(f"== {method.name}", flush=True)
+        mine = measure(ctx, method)
+        everyone: List[Optional[RankMeasurement]] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        row = combine(ctx, method, everyone)
+        rows.append(row)
+        if rank == 0:
+            summary = (", ".join(f"{c}: {v}" for c, v in zip(COLUMNS[1:-1], cells(row)[1:-1])) if row.status == "ok"
+                       else f"{row.status}: {row.note}")
+            print("  " + summary, flush=True)
+
+    if rank == 0:
+        print("\n" + text_table(rows), flush=True)
+        if args.markdown:
+            append_markdown(args.markdown, env, rows)
+            print(f"\nappended to {args.markdown}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
