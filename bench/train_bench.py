@@ -23,9 +23,10 @@ The rows and how each one keeps its weights:
   Adam state in fp32, replicated) and the forward runs under ``torch.autocast(bfloat16)``, the
   standard mixed-precision DDP recipe. Then ``torch.compile`` of the DDP module (DDPOptimizer
   splits the graph at bucket boundaries).
-* ``deepcompile ZeRO-3 + passes`` (key ``z3-passes``, not run by default): placeholder for ZeRO-3
-  with the profile-guided passes (``compile.prefetch`` / ``compile.selective_gather``). They are
-  not implemented yet, so the row says "n/a" with that reason; never made-up numbers.
+* ``deepcompile ZeRO-3`` is plain gather-before-use insertion (``compile.prefetch`` off);
+  ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the static prefetch pass (fused
+  groups of ``stage3_prefetch_bucket_size`` elements launched one group ahead). The profile-guided
+  budget and selective unsharding are not implemented yet, so ``selective_gather`` stays off.
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
 
@@ -239,7 +240,7 @@ class Runner:
     note: Callable[[], str] = lambda: ""
 
 
-def deepcompile_runner(ctx: Context, stage: int, passes: bool = False) -> Runner:
+def deepcompile_runner(ctx: Context, stage: int, prefetch: bool = False) -> Runner:
     model = build_model(ctx, torch.bfloat16)  # deepcompile needs the bf16 model on the device
     optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
     config = {
@@ -250,8 +251,8 @@ def deepcompile_runner(ctx: Context, stage: int, passes: bool = False) -> Runner
         },
         "bf16": {"enabled": True},
         "train_micro_batch_size_per_gpu": ctx.args.micro_batch,
-        # The profile-guided passes are not implemented; false avoids the engine's warning.
-        "compile": {"prefetch": passes, "selective_gather": passes},
+        # Selective unsharding is not implemented; false avoids the engine's warning.
+        "compile": {"prefetch": prefetch, "selective_gather": False},
     }
     try:
         engine = deepcompile.initialize(model, optimizer, config)
@@ -273,13 +274,6 @@ def deepcompile_runner(ctx: Context, stage: int, passes: bool = False) -> Runner
         return f"{len(eager)} parameters gathered eagerly (graph breaks)" if eager else ""
 
     return Runner(step, close=engine.destroy, note=note)
-
-
-def zero3_passes_runner(ctx: Context) -> Runner:
-    # Placeholder. When compile.prefetch / compile.selective_gather are implemented, replace this
-    # with `return deepcompile_runner(ctx, stage=3, passes=True)` (and make sure --warmup covers
-    # compile.warmup_steps, the step at which the passes start).
-    raise Unavailable("profile-guided passes (compile.prefetch, compile.selective_gather) are not implemented yet")
 
 
 def fsdp2_runner(ctx: Context) -> Runner:
@@ -333,14 +327,13 @@ class Method:
 # The rows; the keys are what --methods takes (the table follows the order given there; 'all' is this order).
 METHODS: Dict[str, Method] = {
     "z3": Method("deepcompile ZeRO-3", lambda ctx: deepcompile_runner(ctx, stage=3)),
-    "z3-passes": Method("deepcompile ZeRO-3 + passes", zero3_passes_runner),
+    "z3-prefetch": Method("deepcompile ZeRO-3 + prefetch", lambda ctx: deepcompile_runner(ctx, stage=3, prefetch=True)),
     "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
     "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
     "fsdp2": Method("FSDP2 + compile", fsdp2_runner),
     "ddp": Method("DDP + compile", ddp_runner),
 }
-# z3-passes is left out until the passes exist (it could only print n/a).
-DEFAULT_METHODS = ["z3", "z1", "z2", "fsdp2", "ddp"]
+DEFAULT_METHODS = ["z3", "z3-prefetch", "z1", "z2", "fsdp2", "ddp"]
 
 
 # ------------------------------------------------------------------------------------- measuring
