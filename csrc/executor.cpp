@@ -161,10 +161,14 @@ DSParam& CustomOpExecutor::param(DsId id, const char* op) {
   return rt_.registry().get(id);
 }
 
+void CustomOpExecutor::checkGradient(const DSParam& p, const at::Tensor& grad, const char* op) const {
+  TORCH_CHECK(grad.numel() == p.numel, "dc.", op, ": gradient of ds id ", p.id, " has ", grad.numel(),
+              " elements but the parameter has ", p.numel);
+}
+
 void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* op) {
   DSParam& p = param(id, op);
-  TORCH_CHECK(grad.numel() == p.numel, "dc.", op, ": gradient of ds id ", id, " has ", grad.numel(),
-              " elements but the parameter has ", p.numel);
+  checkGradient(p, grad, op);
   const int64_t local = p.localGradNumel(rt_.rank());
   TORCH_CHECK(local == 0 || p.grad_target.defined(), "dc.", op, ": ds id ", id,
               " has no gradient target bound (bind_grad_target) on rank ", rt_.rank());
@@ -173,8 +177,7 @@ void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* o
 
 void Z1Executor::reduceGrad(const at::Tensor& grad, DsId id, const char* op) {
   DSParam& p = param(id, op);
-  TORCH_CHECK(grad.numel() == p.numel, "dc.", op, ": gradient of ds id ", id, " has ", grad.numel(),
-              " elements but the parameter has ", p.numel);
+  checkGradient(p, grad, op);
   // ZeRO-1 reduces once per accumulation window: micro-steps accumulate the full local
   // gradient (a private copy: the graph may reuse its own buffer), the update step reduces it.
   if (!rt_.updateStep()) {

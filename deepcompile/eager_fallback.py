@@ -23,17 +23,24 @@ from deepcompile.zero.partition import ShardedParam
 EAGER_GRAPH_ID = 0
 
 
+def gather_full_copy(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
+    """The full parameter as a private tensor, outside any graph.
+
+    A copy, because the caller may keep it (autograd until backward, a state dict for good) long
+    after the runtime's buffer is released, or re-filled for persistent parameters.
+    """
+    gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
+    gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
+    full = gathered.detach().clone()
+    torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
+    return full
+
+
 class _GatherForEager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
-        gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
-        gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
-        # A private copy: autograd may keep it until backward, long after the runtime's buffer is
-        # released (or re-filled, for persistent parameters).
-        full = gathered.clone()
-        torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
         ctx.ds_id = ds_id
-        return full
+        return gather_full_copy(placeholder, ds_id)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

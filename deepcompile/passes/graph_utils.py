@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, Iterable, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
-
-_ALIAS_EXTRA = ()  # filled lazily: our own pass-through ops
-
 
 def _dc_alias_ops():
     return (torch.ops.dc.wait_allgather.default, torch.ops.dc.release_param.default)
@@ -82,7 +80,7 @@ def tensor_result(node: Node) -> Optional[Node]:
         return node
     if isinstance(val, (tuple, list)):
         for user in node.users:
-            if user.op == "call_function" and user.target is __import__("operator").getitem:
+            if user.op == "call_function" and user.target is operator.getitem:
                 if isinstance(user.meta.get("val"), torch.Tensor):
                     return user
     return None

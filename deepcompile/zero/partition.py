@@ -23,10 +23,6 @@ def make_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device
     return torch.full((1,), float("nan"), dtype=dtype, device=device).expand(shape)
 
 
-def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(s == 0 for s in t.stride()) if t.dim() > 0 else False
-
-
 @dataclasses.dataclass
 class ShardedParam:
     """One partitioned parameter: its id, full shape, local shard and gradient partition."""

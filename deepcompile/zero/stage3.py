@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import runtime
-from deepcompile.eager_fallback import EAGER_GRAPH_ID, EagerGatherHooks
+from deepcompile.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.partition import ShardedParam, partition_parameters
 
@@ -50,12 +50,7 @@ class Zero3Sharding:
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        full: Dict[int, torch.Tensor] = {}
-        for sp in self.params:
-            gathered = torch.ops.dc.allgather_param(sp.param, EAGER_GRAPH_ID, sp.ds_id)
-            gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, sp.ds_id)
-            full[id(sp.param)] = gathered.detach().cpu().clone()
-            torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, sp.ds_id, 1)
+        full = {id(sp.param): gather_full_copy(sp.param, sp.ds_id).cpu() for sp in self.params}
         out: Dict[str, torch.Tensor] = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             out[name] = full[id(value)] if id(value) in full else value.detach().cpu().clone()

@@ -64,6 +64,8 @@ class CustomOpExecutor {
   virtual bool holdsGather(DsId) const { return false; }
 
  protected:
+  void checkGradient(const DSParam& p, const at::Tensor& grad, const char* op) const;
+
   Runtime& rt_;
   GraphId graph_id_;
   std::vector<DsId> ids_;
