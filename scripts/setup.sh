@@ -19,3 +19,14 @@ fi
 # --no-build-isolation: compile against the torch installed above, not a fresh copy of it.
 "$PY" -m pip install --progress-bar off --no-build-isolation --no-deps -e .
 "$PY" -c "import deepcompile, torch; print('deepcompile installed; torch', torch.__version__)"
+
+# Where the CUDA toolkit is present (CI included), the CUDA/NCCL path must have been compiled:
+# never let a silent CPU-only build hide broken CUDA code.
+if command -v nvcc >/dev/null 2>&1; then
+  so=$("$PY" -c "import deepcompile._C as c; print(c.__file__)")
+  if ! nm -D --undefined-only "$so" | grep -q ncclCommInitRank; then
+    echo "setup: the CUDA toolkit is here but deepcompile._C was built without NCCL" >&2
+    exit 1
+  fi
+  echo "deepcompile: CUDA/NCCL path compiled"
+fi
