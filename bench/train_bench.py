@@ -276,6 +276,20 @@ def deepcompile_runner(ctx: Context, stage: int, prefetch: bool = False) -> Runn
     return Runner(step, close=engine.destroy, note=note)
 
 
+def torch_training_runner(compiled, optimizer, autocast_device: Optional[str] = None) -> Runner:
+    """The plain PyTorch step shared by the peers (FSDP2, DDP); bf16 autocast when asked."""
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(autocast_device or "cpu", dtype=torch.bfloat16, enabled=autocast_device is not None):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return Runner(step)
+
+
 def fsdp2_runner(ctx: Context) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -287,16 +301,7 @@ def fsdp2_runner(ctx: Context) -> Runner:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, LM head
     optimizer = make_optimizer(ctx, model.parameters())  # DTensor shards
-    compiled = torch.compile(model, backend=ctx.backend)
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = compiled(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return Runner(step)
+    return torch_training_runner(torch.compile(model, backend=ctx.backend), optimizer)
 
 
 def ddp_runner(ctx: Context) -> Runner:
@@ -305,17 +310,8 @@ def ddp_runner(ctx: Context) -> Runner:
     model = build_model(ctx, torch.float32)  # fp32 weights + autocast: see the module docstring
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
     optimizer = make_optimizer(ctx, ddp.parameters())
-    compiled = torch.compile(ddp, backend=ctx.backend)
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-            loss = compiled(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return Runner(step)
+    return torch_training_runner(torch.compile(ddp, backend=ctx.backend), optimizer,
+                                 autocast_device=ctx.device.type)
 
 
 @dataclasses.dataclass(frozen=True)
