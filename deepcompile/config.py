@@ -131,6 +131,37 @@ def _stage(value: Any, key: str) -> int:
     return value
 
 
+_SCHEDULE_PASSES = ("prefetch", "selective_gather")
+
+
+def _schedule(value: Any, key: str):
+    """A list of {"step": int >= 0, "passes": [names]}; normalized to a tuple of dicts."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key} must be a list of {{\"step\": ..., \"passes\": [...]}} objects or null, got {_show(value)}")
+    entries, steps = [], set()
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where} must be an object with keys step and passes, got {_show(entry)}")
+        _check_keys(entry, ("step", "passes"), where)
+        if "step" not in entry or "passes" not in entry:
+            raise ValueError(f"{where} needs both 'step' and 'passes'")
+        step = _integer(0)(entry["step"], f"{where}.step")
+        if step in steps:
+            raise ValueError(f"{where}.step: step {step} appears twice")
+        steps.add(step)
+        passes = entry["passes"]
+        if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
+            raise ValueError(f"{where}.passes must be a list of pass names, got {_show(passes)}")
+        unknown = [p for p in passes if p not in _SCHEDULE_PASSES]
+        if unknown:
+            raise ValueError(f"{where}.passes: unknown pass {unknown[0]!r}; accepted: {', '.join(_SCHEDULE_PASSES)}")
+        entries.append({"step": step, "passes": tuple(dict.fromkeys(passes))})
+    return tuple(entries)
+
+
 def _fp16_enabled(value: Any, key: str) -> bool:
     if _bool(value, key):
         raise ValueError(f"{key}: fp16 is not supported; use bf16 (\"bf16\": {{\"enabled\": true}})")
@@ -266,12 +297,20 @@ class CompileConfig(_Section):
     keep_int_input_tensors: bool = _key(_bool, True, "Profiling keeps real values of int/bool graph inputs.")
     keep_all_input_tensors: bool = _key(_bool, False, "Profiling keeps real values of all graph inputs.")
     # deepcompile's own scheduling keys (not in DeepSpeed)
-    warmup_steps: int = _key(_integer(0), 5, "Optimizer step at which the profile-guided passes start.")
-    prefetch: bool = _key(_bool, True, "ZeRO-3: launch each group of all-gathers one group ahead of its use (static; "
-                           "profile-guided budgets come later).")
-    selective_gather: bool = _key(_bool, True, "ZeRO-3: keep parameters gathered where memory allows.")
+    warmup_steps: int = _key(_integer(0), 5, "ZeRO-3: optimizer step from which prefetch and selective_gather apply "
+                             "(profiled in the step before).")
+    prefetch: bool = _key(_bool, True, "ZeRO-3: after warm-up, launch fused all-gathers ahead of their use, "
+                          "planned from a profile within the memory budget.")
+    selective_gather: bool = _key(_bool, True, "ZeRO-3: after warm-up, keep the parameters whose re-gathering "
+                                  "costs most gathered, within the memory budget.")
+    schedule: Optional[tuple] = _key(_schedule, None, "ZeRO-3: explicit pass schedule replacing the one built from "
+                                     "warmup_steps/prefetch/selective_gather: a list of {\"step\": int, "
+                                     "\"passes\": [\"prefetch\" | \"selective_gather\", ...]}.")
     memory_budget_fraction: float = _key(_number(0.0, 1.0, low_open=True), 0.9,
                                          "Fraction of device memory the profile-guided passes may plan for.")
+    memory_budget_bytes: Optional[int] = _key(_optional(_integer(1)), None,
+                                              "Bytes the profile-guided passes may plan for; overrides "
+                                              "memory_budget_fraction when set.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch.nn as nn
 from deepcompile import runtime
 from deepcompile.config import Config
 from deepcompile.eager_fallback import EAGER_GRAPH_ID
+from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
 
@@ -21,19 +22,12 @@ _ACTIVE: Optional["Engine"] = None
 
 
 def _check_implemented(config: Config) -> None:
-    """Refuse or announce accepted settings whose feature does not exist yet (never ignore them silently)."""
+    """Refuse or announce accepted settings whose feature does not apply (never ignore them silently)."""
     if config.compile.free_activation:
         raise ValueError("compile.free_activation is not supported yet; set it to false")
-    if config.zero_optimization.stage == 3 and config.compile.selective_gather and dist.get_rank() == 0:
-        warnings.warn(
-            "compile.selective_gather (profile-guided selective unsharding) is not implemented yet; only "
-            "parameters under stage3_param_persistence_threshold stay gathered. Set it to false to silence this.",
-            stacklevel=3,
-        )
-    for key in ("debug_log", "report_dir"):
-        if getattr(config.compile, key) and dist.get_rank() == 0:
-            warnings.warn(f"compile.{key} has no effect yet (schedule reports come with profile-guided scheduling)",
-                          stacklevel=3)
+    if config.zero_optimization.stage != 3 and config.compile.schedule and dist.get_rank() == 0:
+        warnings.warn("compile.schedule holds ZeRO-3 passes only; it has no effect with stage "
+                      f"{config.zero_optimization.stage}", stacklevel=3)
 
 
 def active_engine() -> "Engine":
@@ -72,7 +66,10 @@ class Engine:
         self.global_steps = 0
         self._compiled: Optional[nn.Module] = None
         self._graphs = None  # set by compile()
+        self._compile_args: Optional[tuple] = None
         self._backends: Dict[str, Any] = {}
+        self._warned_string_backend = False
+        self.scheduler = ScheduleDriver(self)
         global _ACTIVE
         _ACTIVE = self
 
@@ -81,9 +78,32 @@ class Engine:
     def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> "Engine":
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        self._compile_args = (backend, dict(torch_compile_kwargs))
         self._graphs = self.backend_for(backend)
         self._compiled = torch.compile(self.module, backend=self._graphs, **torch_compile_kwargs)
         return self
+
+    def _recompile(self) -> None:
+        """The schedule switched plans: compile the module again with a fresh backend.
+
+        Dynamo keys its cache by backend, so the new wrapper traces afresh while nothing else is
+        reset. Code compiled through ``torch.compile(module, backend="deepcompile")`` cannot be
+        re-planned this way: it keeps its graphs (selective unsharding still applies).
+        """
+        string_backend_used = any(b is not self._graphs for b in self._backends.values())
+        self._backends = {}
+        if self._compile_args is not None:
+            backend, kwargs = self._compile_args
+            self._graphs = self.backend_for(backend)
+            self._compiled = torch.compile(self.module, backend=self._graphs, **kwargs)
+        if string_backend_used and not self._warned_string_backend and self.rank == 0:
+            self._warned_string_backend = True
+            warnings.warn(
+                "deepcompile: the pass schedule switched to '" + self.scheduler.applied.describe() + "', but code "
+                "compiled with torch.compile(..., backend='deepcompile') keeps its graphs (only selective "
+                "unsharding applies there); use engine.compile() for prefetch re-planning",
+                stacklevel=3,
+            )
 
     def backend_for(self, inner: str):
         """The deepcompile backend of this engine with ``inner`` as the final compiler."""
@@ -102,6 +122,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.scheduler.begin_micro_step(self.micro_steps % self.gradient_accumulation_steps == 0)
         module = self._compiled if self._compiled is not None else self.module
         return module(*args, **kwargs)
 
@@ -109,7 +130,10 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         self.sharding.before_backward(boundary)
         runtime.start_backward(boundary)
-        (loss / self.gradient_accumulation_steps).backward()
+        try:
+            (loss / self.gradient_accumulation_steps).backward()
+        finally:
+            self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
         torch.ops.dc.end_backward([], EAGER_GRAPH_ID, True)
@@ -121,6 +145,12 @@ class Engine:
             return
         self.sharding.step(self.config.gradient_clipping)
         self.global_steps += 1
+        if self.scheduler.on_optimizer_step():
+            self._recompile()
+
+    def schedule_report(self) -> Dict[str, Any]:
+        """What the profile-guided passes decided at the last schedule switch ({} before any)."""
+        return self.scheduler.report.as_dict()
 
     # ---- state --------------------------------------------------------------------------------
 

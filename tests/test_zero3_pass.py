@@ -75,7 +75,7 @@ def test_backward_gradients_are_reduced_and_returned_as_none():
 
 
 def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
-    from deepcompile.passes.prefetch import group_gathers, insert_prefetch
+    from deepcompile.scheduling.planner import apply_prefetch, plan_prefetch
 
     def f(w1, w2, w3, x):
         h = torch.relu(x @ w1.t())
@@ -85,13 +85,15 @@ def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
     gm = _trace(f, torch.randn(5, 3), torch.randn(5, 5), torch.randn(2, 5), torch.randn(4, 3))
     insert_gather_release(gm, graph_id=3, params=_params(gm, 3))
     # Caps of 25 elements: [w1 (15)], [w2 (25)], [w3 (10)] -- w1 + w2 would exceed the cap.
-    assert [len(g) for g in group_gathers(gm, 25)] == [1, 1, 1]
-    assert [len(g) for g in group_gathers(gm, 40)] == [2, 1]
-    assert insert_prefetch(gm, graph_id=3, max_group_numel=40) == 2
+    assert [len(g.gathers) for g in plan_prefetch(gm, 25).groups] == [1, 1, 1]
+    plan = plan_prefetch(gm, 40)
+    assert [len(g.gathers) for g in plan.groups] == [2, 1]
+    assert not plan.guided and all(g.ahead for g in plan.groups)  # no profile: the static plan
+    apply_prefetch(gm, graph_id=3, plan=plan)
     order = _order(gm)
     prefetches = [n for n in gm.graph.nodes if n.target is dc.prefetch_params_fused.default]
     gathers = [n for n in gm.graph.nodes if n.target is dc.allgather_param.default]
-    # Group 0 (w1, w2) launched before its first gather, group 1 (w3) right after that launch.
+    # Group 0 (w1, w2) launched at the head of the graph, group 1 (w3) at the start of group 0.
     assert [p.args[2] for p in prefetches] == [[0, 1], [2]]
     assert order[prefetches[0]] < order[prefetches[1]] < order[gathers[0]]
     # The fused-cast dtype of w2 is kept in the prefetch.

@@ -11,6 +11,11 @@ graph takes as inputs, and runs aot_autograd with:
   * then the inner compiler: FX execution for "eager", Inductor for "inductor".
 The forward and backward compilers of one graph are closures over the same graph id and input
 slots, which is how the two halves are paired; a recompile of the same frame is a new graph.
+
+ZeRO-3's optional passes come from the engine's schedule driver (scheduling/driver.py): the
+backend asks it which passes are in force and for each graph's prefetch plan. Every compiled
+half is wrapped so that the driver can run it through the profiler instead, on the micro-steps it
+profiles; the wrapper keeps a copy of the graph as it was before the inner compiler.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import compat, runtime
 from deepcompile.compiler.partitioner import make_partition_fn
-from deepcompile.passes.prefetch import insert_prefetch
 from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
+from deepcompile.scheduling import planner
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,7 @@ class DeepCompileBackend:
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
         self.stage = engine.stage
-        cfg = engine.config
-        # Static prefetch (ZeRO-3): fused groups of at most stage3_prefetch_bucket_size elements.
-        self.prefetch_group_numel = (
-            cfg.zero_optimization.stage3_prefetch_bucket_size if cfg.compile.prefetch else None
-        )
+        self.driver = engine.scheduler
         self._ds_id_of = engine.sharding.ds_id_of
         compat.mark_ops_side_effectful()
 
@@ -95,23 +96,29 @@ class DeepCompileBackend:
             record.fw_param_names[node.name] = ds_id
         if self.stage == 3:
             insert_gather_release(gm, record.graph_id, params)
-            self._prefetch(gm, record)
-            gm.recompile()
-        return self._inner_compile(gm, inputs, is_backward=False)
+        return self._finish(record, "forward", gm, inputs)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         record.needs_backward = True
         if self.stage == 3:
             params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
             insert_gather_release(gm, record.graph_id, params)
-            self._prefetch(gm, record)
         insert_reductions(gm, record.graph_id, record.param_slots)
-        gm.recompile()
-        return self._inner_compile(gm, inputs, is_backward=True)
+        return self._finish(record, "backward", gm, inputs)
 
-    def _prefetch(self, gm: GraphModule, record: GraphRecord) -> None:
-        if self.prefetch_group_numel is not None:
-            insert_prefetch(gm, record.graph_id, self.prefetch_group_numel)
+    def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):
+        """Schedule-driven passes, then the inner compiler, wrapped for profiling."""
+        gm.recompile()
+        signature = planner.graph_signature(phase, gm)
+        if self.stage == 3:
+            self.driver.note_graph(signature, _copy_graph_module(gm))
+            plan = self.driver.prefetch_plan(gm, signature)
+            if plan is not None:
+                planner.apply_prefetch(gm, record.graph_id, plan)
+                gm.recompile()
+        profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
+        compiled = self._inner_compile(gm, inputs, is_backward=phase == "backward")
+        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
@@ -121,6 +128,35 @@ class DeepCompileBackend:
         from torch._inductor.compile_fx import compile_fx_inner
 
         return compile_fx_inner(gm, inputs, is_backward=is_backward)
+
+
+def _copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node metadata shallow-copied), same submodules."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = GraphModule(gm, graph)
+    return copy
+
+
+class _ProfiledCallable:
+    """A compiled graph half that the schedule driver can run through the profiler instead."""
+
+    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver):
+        # aot_autograd passes the arguments as one list (which we may clear). An instance
+        # attribute, so that wrappers copying __dict__ (functools.wraps) keep it.
+        self._boxed_call = True
+        self.compiled = compiled
+        self.gm = gm
+        self.signature = signature
+        self.record = record
+        self.driver = driver
+
+    def __call__(self, args: List[Any]):
+        if self.driver.wants_profile(self.signature):
+            return self.driver.run_profiled(self.gm, args, self.compiled, self.signature, self.record.graph_id,
+                                            list(self.record.param_slots.values()))
+        return self.compiled(args)
 
 
 def make_backend(engine: Any, inner: str = "inductor") -> DeepCompileBackend:

@@ -1,0 +1,224 @@
+"""Runs the pass schedule of one engine: when to profile, when to re-plan, what the plan is.
+
+Timeline for the default ZeRO-3 schedule (``warmup_steps`` W, passes P):
+
+* steps 0 .. W-2: plain ZeRO-3 graphs;
+* step W-1 (first micro-step of the window): every graph that runs is *profiled*: executed once by
+  the profiler on the step's real inputs (its results are the step's results);
+* end of step W-1 (optimizer step done, ``global_steps`` becomes W): the entry for step W is due
+  and its profile exists, so the driver plans: the all-gather time model is measured once, the
+  persistent set is chosen and applied (``set_persistent``), prefetch plans are kept for the
+  recompile, and the engine recompiles its module with a fresh backend (Dynamo caches per
+  backend, so nothing else is thrown away);
+* step W (first micro-step): the new graphs are profiled again to *measure* the plan; the schedule
+  report (``compile.report_dir`` / ``compile.debug_log``) then shows predicted vs measured peaks.
+
+An entry that is due without a profile (a resumed run past the entry, ``warmup_steps`` 0) keeps
+the current plan one more step while profiling, then switches: the schedule fires on
+``step >= entry``, never on equality.
+
+A profiling run that fails on any rank is aborted on all ranks at the same node (the failure vote
+in ``profiling/graph_profiler.py``). The graph's profile is marked incomplete and the step is
+finished by the compiled graph: for a forward graph, or a backward graph that has not reduced any
+gradient yet, this is exact. A backward that already reduced gradients cannot be re-run without
+reducing them twice, so that case raises on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule
+
+from deepcompile import runtime
+from deepcompile.profiling.comm_model import CommModel, measure_allgather
+from deepcompile.profiling.graph_profiler import GraphProfile, ProfileAborted, profile_graph
+from deepcompile.scheduling import planner
+from deepcompile.scheduling.report import ScheduleReport
+from deepcompile.scheduling.schedule import PLAIN, PassSchedule, ScheduleEntry, needs_profile
+
+log = logging.getLogger(__name__)
+
+
+class ScheduleDriver:
+    def __init__(self, engine: Any):
+        self.engine = engine
+        cfg = engine.config
+        self.schedule = PassSchedule.from_config(cfg)
+        self.applied: ScheduleEntry = PLAIN
+        self.max_group_numel = cfg.zero_optimization.stage3_prefetch_bucket_size
+        self.persistent_threshold_ids: Set[int] = set()
+        self.chosen_persistent: List[int] = []
+        self.comm: Optional[CommModel] = None
+        self._budget: Optional[int] = None
+        # Profiles of the graphs as they ran in the last profiled micro-step, by graph signature.
+        self.profiles: Dict[Tuple, GraphProfile] = {}
+        self.graphs: Dict[Tuple, GraphModule] = {}
+        self.gathers: Dict[Tuple, List[planner.Gather]] = {}
+        self.plans: Dict[Tuple, planner.PrefetchPlan] = {}
+        self.mode: Optional[str] = None  # None | "plan" | "verify": what the current micro-step profiles
+        self._profiled_now: Set[Tuple] = set()
+        self._verify_pending = False
+        self._fresh_profile = False
+        self.report = ScheduleReport(engine)
+        self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
+
+    # ---- what the backend asks --------------------------------------------------------------
+
+    @property
+    def passes(self):
+        return self.applied.passes
+
+    def prefetch_plan(self, gm: GraphModule, signature: Tuple) -> Optional[planner.PrefetchPlan]:
+        if "prefetch" not in self.applied.passes:
+            return None
+        profile = self.profiles.get(signature)
+        plan = planner.plan_prefetch(
+            gm, self.max_group_numel, persistent=self._persistent_ids(), profile=profile,
+            comm=self.comm, budget_bytes=self.budget_bytes() if profile is not None else None,
+        )
+        self.plans[signature] = plan
+        return plan
+
+    def note_graph(self, signature: Tuple, gm: GraphModule) -> None:
+        """Remember a compiled graph (after the ZeRO-3 pass, before prefetch) for planning."""
+        self.graphs[signature] = gm
+        self.gathers[signature] = planner.graph_gathers(gm)
+
+    # ---- profiling --------------------------------------------------------------------------
+
+    def begin_micro_step(self, first_in_window: bool) -> None:
+        """Called before each forward: decide whether this micro-step is profiled."""
+        self._profiled_now = set()
+        self.mode = None
+        if not first_in_window or not self.engine._backends:
+            return  # only graphs compiled by deepcompile's backend can be profiled
+        if self._verify_pending:
+            self.mode = "verify"
+        elif self._upcoming() is not None:
+            self.mode = "plan"
+
+    def end_micro_step(self) -> None:
+        if self.mode == "verify":
+            self._verify_pending = False
+            self.report.measured(self.report.verify_profiles)
+        elif self.mode == "plan" and self._profiled_now:
+            self._fresh_profile = True
+        self.mode = None
+
+    def _upcoming(self) -> Optional[ScheduleEntry]:
+        """The entry that should be in force after the next optimizer step, if it differs."""
+        target = self.schedule.entry_at(self.engine.global_steps + 1)
+        return target if target != self.applied else None
+
+    def wants_profile(self, signature: Tuple) -> bool:
+        return self.mode is not None and signature not in self._profiled_now
+
+    def run_profiled(self, gm: GraphModule, args: List[Any], compiled: Callable, signature: Tuple,
+                     graph_id: int, param_ids: Sequence[int]) -> Any:
+        phase = signature[0]
+        self._profiled_now.add(signature)
+        try:
+            outputs, profile = profile_graph(gm, list(args), graph_id, phase, self.engine.device,
+                                             self.engine.group, fail_at=self.fail_at)
+        except ProfileAborted as e:
+            self._store(signature, GraphProfile(graph_id, phase, [], complete=False, error=str(e)))
+            if e.reduced:
+                raise RuntimeError(
+                    f"deepcompile: {e}. The backward had already reduced gradients, so this step cannot be "
+                    "finished; no rank continued alone."
+                ) from e
+            if self.engine.rank == 0:
+                log.warning("deepcompile: %s; finishing the step with the compiled graph", e)
+            # Forget this graph's gather/release bookkeeping, then run it the normal way.
+            runtime.register_graph(graph_id, sorted(set(param_ids)), stage=self.engine.stage)
+            runtime.clear_all_gathered_params()
+            return compiled(args)
+        args.clear()
+        self._store(signature, profile)
+        return outputs
+
+    def _store(self, signature: Tuple, profile: GraphProfile) -> None:
+        if self.mode == "verify":
+            self.report.verify_profiles[signature] = profile
+        else:
+            self.profiles[signature] = profile
+
+    # ---- the step boundary ------------------------------------------------------------------
+
+    def on_optimizer_step(self) -> bool:
+        """After an optimizer step: switch plans if an entry is due. True: the engine recompiles."""
+        due = self.schedule.entry_at(self.engine.global_steps)
+        if due == self.applied:
+            return False
+        if needs_profile(due) and not self._fresh_profile:
+            return False  # profiled during the next step, applied after it
+        self._switch(due)
+        return True
+
+    def _switch(self, entry: ScheduleEntry) -> None:
+        self.applied = entry
+        if entry.passes and self.comm is None:
+            self.comm = measure_allgather(self.engine.group, self.engine.device,
+                                          max_bytes=self._largest_gather_bytes())
+        for ds_id in self.chosen_persistent:
+            runtime.set_persistent(ds_id, False)
+        self.chosen_persistent = []
+        persistent_plan = None
+        if "selective_gather" in entry.passes:
+            profiles = [self.profiles[s] for s in self.gathers if s in self.profiles]
+            extra = self._prefetch_extra() if "prefetch" in entry.passes else 0
+            persistent_plan = planner.plan_persistent(
+                [self.gathers[s] for s in self.gathers if s in self.profiles], profiles, self.comm,
+                self.budget_bytes(), self.engine.gradient_accumulation_steps, extra,
+                already=self._threshold_persistent(),
+            )
+            for ds_id in persistent_plan.ids:
+                runtime.set_persistent(ds_id, True)
+            self.chosen_persistent = persistent_plan.ids
+        self.plans = {}
+        self._verify_pending = True
+        self._fresh_profile = False
+        self.report.planned(entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,
+                            self._preview_prefetch() if "prefetch" in entry.passes else {})
+
+    def _preview_prefetch(self) -> Dict[Tuple, planner.PrefetchPlan]:
+        """The prefetch plans the recompile will make (same inputs, so the same plans)."""
+        return {
+            sig: planner.plan_prefetch(gm, self.max_group_numel, persistent=self._persistent_ids(),
+                                       profile=self.profiles.get(sig), comm=self.comm,
+                                       budget_bytes=self.budget_bytes())
+            for sig, gm in self.graphs.items() if sig in self.profiles
+        }
+
+    def _prefetch_extra(self) -> int:
+        """The most bytes any planned prefetch holds ahead of its use."""
+        return max((p.max_ahead_bytes for p in self._preview_prefetch().values()), default=0)
+
+    def _largest_gather_bytes(self) -> int:
+        return max((g.nbytes for gathers in self.gathers.values() for g in gathers), default=1 << 20)
+
+    def _threshold_persistent(self) -> List[int]:
+        return [sp.ds_id for sp in self.engine.sharding.params if sp.persistent]
+
+    def _persistent_ids(self) -> List[int]:
+        return self._threshold_persistent() + list(self.chosen_persistent)
+
+    def budget_bytes(self) -> int:
+        if self._budget is None:
+            cfg = self.engine.config.compile
+            if cfg.memory_budget_bytes is not None:
+                budget = cfg.memory_budget_bytes
+            elif self.engine.device.type == "cuda":
+                budget = int(torch.cuda.get_device_properties(self.engine.device).total_memory * cfg.memory_budget_fraction)
+            else:
+                budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.memory_budget_fraction)
+            t = torch.tensor([budget], dtype=torch.int64,
+                             device=self.engine.device if self.engine.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.engine.group)
+            self._budget = int(t.item())
+        return self._budget

@@ -1,0 +1,233 @@
+"""Turning profiles into decisions: the prefetch plan of a graph and the persistent set.
+
+Both planners are pure functions of the graph, the (rank-agreed) profiles, the (rank-agreed)
+communication model and the budget, so every rank computes the same plan: the order and grouping
+of collectives must match on all ranks, or they hang.
+
+Prefetch (per graph). The graph's ``allgather_param`` nodes, in order, are cut into fused groups.
+With a communication model, a gather joins the open group while fusing is nearly free: the fused
+gather must take less than ``FUSE_SLACK`` times the longer of the two alone (latency-bound sizes),
+and the group stays within ``max_group_numel`` elements. Without a model, groups are filled up to
+``max_group_numel``. Each group ``k >= 1`` is launched at the start of group ``k - 1`` (group 0 at
+the head of the graph), so it travels while the previous group computes, but only if the memory
+profiled over that window plus the group's bytes stays within the budget; otherwise it is
+gathered at its use, as the plain ZeRO-3 pass does. Without a profile every group goes ahead (the
+static plan). The requested dtype of every gather is kept.
+
+Selective unsharding (per engine). Candidates are the partitioned parameters the profiled graphs
+gather. Keeping one gathered saves ``(gathers per optimizer step - 1)`` all-gathers of its size
+(one re-gather after each optimizer step remains) and costs its bytes for the whole step. The
+planner ranks candidates by time saved per byte and takes them greedily while the predicted peak
+(profiled peak + prefetch extra + persistent bytes) stays within the budget, skipping those that
+do not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.fx import GraphModule, Node
+
+from deepcompile.profiling.comm_model import CommModel
+from deepcompile.profiling.graph_profiler import GraphProfile
+
+dc = torch.ops.dc
+
+# Fuse two gathers while the fused one costs less than this factor times the longer of the two.
+FUSE_SLACK = 1.2
+
+
+@dataclasses.dataclass
+class Gather:
+    node: Node
+    ds_id: int
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def graph_gathers(gm: GraphModule) -> List[Gather]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is dc.allgather_param.default:
+            val = node.args[0].meta.get("val")
+            numel = int(val.numel()) if isinstance(val, torch.Tensor) else 0
+            dtype = node.kwargs.get("dtype") or (val.dtype if isinstance(val, torch.Tensor) else torch.float32)
+            out.append(Gather(node, int(node.args[2]), numel, dtype))
+    return out
+
+
+def graph_signature(phase: str, gm: GraphModule) -> Tuple:
+    """Identifies "the same graph" across recompiles: phase, gathered ids in order, node count."""
+    return (phase, tuple(g.ds_id for g in graph_gathers(gm)), len(gm.graph.nodes))
+
+
+@dataclasses.dataclass
+class PrefetchGroup:
+    gathers: List[Gather]
+    launch_before: str  # name of the node the fused launch is inserted before
+    ahead: bool  # launched before its first use (False: at its use)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.gathers)
+
+    def to_dict(self, names: Dict[int, str]) -> Dict:
+        return {
+            "ds_ids": [g.ds_id for g in self.gathers],
+            "params": [names.get(g.ds_id, str(g.ds_id)) for g in self.gathers],
+            "bytes": self.nbytes,
+            "launch_before": self.launch_before,
+            "ahead": self.ahead,
+        }
+
+
+@dataclasses.dataclass
+class PrefetchPlan:
+    groups: List[PrefetchGroup]
+    predicted_peak_bytes: Optional[int]  # None without a profile
+    guided: bool  # planned from a profile (False: static fallback)
+
+    @property
+    def max_ahead_bytes(self) -> int:
+        return max((g.nbytes for g in self.groups if g.ahead), default=0)
+
+
+def _fuse(gathers: Sequence[Gather], max_group_numel: int, comm: Optional[CommModel]) -> List[List[Gather]]:
+    groups: List[List[Gather]] = []
+    numel = nbytes = 0
+    for g in gathers:
+        fits = bool(groups) and numel + g.numel <= max(max_group_numel, 1)
+        if fits and comm is not None:
+            fused = comm.predict_ms(nbytes + g.nbytes)
+            fits = fused <= FUSE_SLACK * max(comm.predict_ms(nbytes), comm.predict_ms(g.nbytes))
+        if fits:
+            groups[-1].append(g)
+            numel += g.numel
+            nbytes += g.nbytes
+        else:
+            groups.append([g])
+            numel, nbytes = g.numel, g.nbytes
+    return groups
+
+
+def _node_peaks(gm: GraphModule, profile: GraphProfile) -> Dict[str, int]:
+    """Profiled peak per node of ``gm``; a node the profile lacks inherits its predecessor's."""
+    by_name = profile.by_name()
+    peaks, last = {}, 0
+    for node in gm.graph.nodes:
+        rec = by_name.get(node.name)
+        if rec is not None:
+            last = rec.peak_bytes
+        peaks[node.name] = last
+    return peaks
+
+
+def plan_prefetch(gm: GraphModule, max_group_numel: int, persistent: Iterable[int] = (),
+                  profile: Optional[GraphProfile] = None, comm: Optional[CommModel] = None,
+                  budget_bytes: Optional[int] = None) -> PrefetchPlan:
+    keep = set(persistent)
+    gathers = [g for g in graph_gathers(gm) if g.ds_id not in keep]
+    guided = profile is not None and profile.complete
+    groups = _fuse(gathers, max_group_numel, comm if guided else None)
+    if not groups:
+        return PrefetchPlan([], profile.peak_bytes if guided else None, guided)
+    order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    nodes = list(gm.graph.nodes)
+    head = next(n for n in nodes if n.op != "placeholder")
+    peaks = _node_peaks(gm, profile) if guided else {}
+    predicted = profile.peak_bytes if guided else None
+    planned: List[PrefetchGroup] = []
+    for k, group in enumerate(groups):
+        use = group[0].node
+        anchor = head if k == 0 else groups[k - 1][0].node
+        ahead = True
+        if guided and budget_bytes is not None:
+            window = nodes[order[anchor.name]: order[use.name] + 1]
+            window_peak = max((peaks[n.name] for n in window), default=0)
+            extra = sum(g.nbytes for g in group)
+            ahead = window_peak + extra <= budget_bytes
+            if ahead:
+                predicted = max(predicted, window_peak + extra)
+        planned.append(PrefetchGroup(group, (anchor if ahead else use).name, ahead))
+    return PrefetchPlan(planned, predicted, guided)
+
+
+def apply_prefetch(gm: GraphModule, graph_id: int, plan: PrefetchPlan) -> None:
+    """Insert one ``prefetch_params_fused`` per group before its launch node, in group order."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    # Several groups may launch before the same node (group 0 and 1 both at the head when
+    # group 0's first gather is the first node): keep their order by inserting after the last.
+    inserted: Dict[str, Node] = {}
+    for group in plan.groups:
+        anchor = by_name[group.launch_before]
+        previous = inserted.get(group.launch_before)
+        ctx = gm.graph.inserting_after(previous) if previous is not None else gm.graph.inserting_before(anchor)
+        with ctx:
+            node = gm.graph.call_function(
+                dc.prefetch_params_fused.default,
+                (graph_id, [g.node.args[0] for g in group.gathers], [g.ds_id for g in group.gathers]),
+                {"dtypes": [g.dtype for g in group.gathers]},
+            )
+        inserted[group.launch_before] = node
+    gm.graph.lint()
+
+
+@dataclasses.dataclass
+class PersistentChoice:
+    ds_id: int
+    nbytes: int
+    saved_ms: float  # all-gather time saved per optimizer step
+
+
+@dataclasses.dataclass
+class PersistentPlan:
+    chosen: List[PersistentChoice]
+    base_peak_bytes: int  # profiled peak (+ prefetch extra) before adding persistent parameters
+    budget_bytes: int
+    skipped_reason: str = ""
+
+    @property
+    def ids(self) -> List[int]:
+        return [c.ds_id for c in self.chosen]
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.base_peak_bytes + sum(c.nbytes for c in self.chosen)
+
+
+def plan_persistent(gathers_per_graph: Sequence[Sequence[Gather]], profiles: Sequence[GraphProfile],
+                    comm: CommModel, budget_bytes: int, micro_steps_per_step: int,
+                    prefetch_extra_bytes: int = 0, already: Iterable[int] = ()) -> PersistentPlan:
+    """Choose the parameters to keep gathered (see the module docstring)."""
+    base = max((p.peak_bytes for p in profiles), default=0) + prefetch_extra_bytes
+    if not profiles or any(not p.complete for p in profiles):
+        return PersistentPlan([], base, budget_bytes, "a profile is missing or incomplete")
+    skip: Set[int] = set(already)
+    count: Dict[int, int] = {}
+    size: Dict[int, int] = {}
+    for gathers in gathers_per_graph:
+        for g in gathers:
+            if g.ds_id in skip:
+                continue
+            count[g.ds_id] = count.get(g.ds_id, 0) + 1
+            size[g.ds_id] = max(size.get(g.ds_id, 0), g.nbytes)
+    candidates = []
+    for ds_id, n in count.items():
+        saved = (n * micro_steps_per_step - 1) * comm.predict_ms(size[ds_id])
+        if saved > 0 and size[ds_id] > 0:
+            candidates.append(PersistentChoice(ds_id, size[ds_id], saved))
+    # Most time saved per byte first; ties broken by id so every rank orders alike.
+    candidates.sort(key=lambda c: (-c.saved_ms / c.nbytes, c.ds_id))
+    chosen, used = [], base
+    for c in candidates:
+        if used + c.nbytes <= budget_bytes:
+            chosen.append(c)
+            used += c.nbytes
+    reason = "" if chosen else ("nothing fits in the budget" if candidates else "no candidates")
+    return PersistentPlan(chosen, base, budget_bytes, reason)

@@ -1,0 +1,142 @@
+"""The schedule report: what the profile-guided passes decided, and how it turned out.
+
+Written by rank 0 when ``compile.report_dir`` is set (``schedule_step<N>.json`` and ``.txt``) and
+printed when ``compile.debug_log`` is true. One report per schedule switch, in two stages:
+
+* at the switch (``planned``): the entry, the memory budget, the all-gather time model, per graph
+  its profile (time, peak) and prefetch plan (fused groups, where each is launched, ahead or at
+  use), the persistent set (parameter, bytes, all-gather time saved per step) and the predicted
+  peak memory;
+* after the first micro-step under the new plan (``measured``): the peak of each graph measured by
+  profiling that micro-step, next to the prediction.
+
+Memory numbers are what the profiler measures: allocated device memory on GPU (so they include
+the model and optimizer state), the graph's own working set on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from deepcompile.profiling.graph_profiler import GraphProfile
+
+
+def _mib(n: Optional[int]) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _key(signature: Tuple) -> str:
+    phase, ids, n_nodes = signature
+    return f"{phase}[{len(ids)} gathers, {n_nodes} nodes]"
+
+
+class ScheduleReport:
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.current: Optional[Dict[str, Any]] = None
+        self.history = []
+        self.verify_profiles: Dict[Tuple, GraphProfile] = {}
+
+    def _names(self) -> Dict[int, str]:
+        return {sp.ds_id: sp.name for sp in getattr(self.engine.sharding, "params", [])}
+
+    def planned(self, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
+                prefetch_plans: Dict[Tuple, Any]) -> None:
+        names = self._names()
+        graphs = []
+        for sig, prof in profiles.items():
+            plan = prefetch_plans.get(sig)
+            predicted = plan.predicted_peak_bytes if plan is not None and plan.predicted_peak_bytes is not None \
+                else prof.peak_bytes
+            if persistent_plan is not None:
+                predicted += sum(c.nbytes for c in persistent_plan.chosen)
+            graphs.append({
+                "graph": _key(sig),
+                "graph_id": prof.graph_id,
+                "phase": prof.phase,
+                "profile_complete": prof.complete,
+                "profile_error": prof.error,
+                "profiled_time_ms": round(prof.total_time_ms, 3),
+                "profiled_peak_bytes": prof.peak_bytes,
+                "prefetch": [g.to_dict(names) for g in plan.groups] if plan is not None else None,
+                "predicted_peak_bytes": predicted,
+                "measured_peak_bytes": None,
+                "_sig": sig,
+            })
+        self.current = {
+            "step": self.engine.global_steps,
+            "entry": entry.describe(),
+            "budget_bytes": budget,
+            "comm_model": comm.to_dict() if comm is not None else None,
+            "graphs": graphs,
+            "persistent": [
+                {"ds_id": c.ds_id, "param": names.get(c.ds_id, str(c.ds_id)), "bytes": c.nbytes,
+                 "saved_ms_per_step": round(c.saved_ms, 4)}
+                for c in (persistent_plan.chosen if persistent_plan is not None else [])
+            ],
+            "persistent_note": persistent_plan.skipped_reason if persistent_plan is not None else "selective_gather off",
+        }
+        self.verify_profiles = {}
+        self.history.append(self.current)
+        self._emit()
+
+    def measured(self, profiles: Dict[Tuple, GraphProfile]) -> None:
+        if self.current is None:
+            return
+        for g in self.current["graphs"]:
+            prof = profiles.get(g["_sig"])
+            if prof is not None and prof.complete:
+                g["measured_peak_bytes"] = prof.peak_bytes
+        self._emit()
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def as_dict(self) -> Dict[str, Any]:
+        if self.current is None:
+            return {}
+        out = dict(self.current)
+        out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
+        return out
+
+    def text(self) -> str:
+        r = self.as_dict()
+        if not r:
+            return "deepcompile schedule: no switch yet"
+        lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]
+        for g in r["graphs"]:
+            lines.append(
+                f"  graph {g['graph_id']} {g['graph']}: profiled {g['profiled_time_ms']:.2f} ms, "
+                f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
+                f"measured {_mib(g['measured_peak_bytes'])}"
+                + ("" if g["profile_complete"] else f" [profile incomplete: {g['profile_error']}]")
+            )
+            for grp in g["prefetch"] or []:
+                where = "ahead, before" if grp["ahead"] else "at use, before"
+                lines.append(f"    prefetch {len(grp['ds_ids'])} param(s), {_mib(grp['bytes'])}, {where} {grp['launch_before']}")
+        total = sum(p["bytes"] for p in r["persistent"])
+        lines.append(f"  persistent: {len(r['persistent'])} param(s), {_mib(total)}"
+                     + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
+        for p in r["persistent"]:
+            lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
+        return "\n".join(lines)
+
+    def _emit(self) -> None:
+        cfg = self.engine.config.compile
+        if self.engine.rank != 0:
+            return
+        if cfg.report_dir:
+            os.makedirs(cfg.report_dir, exist_ok=True)
+            base = os.path.join(cfg.report_dir, f"schedule_step{self.current['step']}")
+            with open(base + ".json", "w", encoding="utf-8") as f:
+                json.dump(self.as_dict(), f, indent=2)
+            with open(base + ".txt", "w", encoding="utf-8") as f:
+                f.write(self.text() + "\n")
+        if cfg.debug_log:
+            print(self.text(), flush=True)
