@@ -23,10 +23,12 @@ The rows and how each one keeps its weights:
   Adam state in fp32, replicated) and the forward runs under ``torch.autocast(bfloat16)``, the
   standard mixed-precision DDP recipe. Then ``torch.compile`` of the DDP module (DDPOptimizer
   splits the graph at bucket boundaries).
-* ``deepcompile ZeRO-3`` is plain gather-before-use insertion (``compile.prefetch`` off);
-  ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the static prefetch pass (fused
-  groups of ``stage3_prefetch_bucket_size`` elements launched one group ahead). The profile-guided
-  budget and selective unsharding are not implemented yet, so ``selective_gather`` stays off.
+* ``deepcompile ZeRO-3`` is plain gather-before-use insertion (both optional passes off);
+  ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the profile-guided prefetch pass and
+  ``deepcompile ZeRO-3 + prefetch + selective`` (key ``z3-auto``) also selective unsharding, both
+  with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 recompiles with the
+  plan (and is profiled once more to measure it), so ``--warmup`` must be at least 3 for them.
+  ``--memory-budget-gib`` sets ``compile.memory_budget_bytes`` (default: 90 % of the device).
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
 
@@ -36,9 +38,9 @@ Columns (all per rank; time and memory are the maximum over ranks, the loss thei
 * TFLOP/s/GPU: model FLOPs, flops_per_token * micro_batch * seq / step time, with
   flops_per_token = 6 * N_params + 12 * n_layers * hidden * seq (N_params counts all parameters,
   embeddings and LM head included; recomputation is not counted).
-* peak mem: ``torch.cuda.max_memory_allocated`` since ``reset_peak_memory_stats`` at the start of
-  the method (model construction included: each model is built directly in its training dtype on
-  the device, so construction never exceeds the training peak in practice). "n/a" on CPU.
+* peak mem: ``torch.cuda.max_memory_allocated`` over the measured steps (``reset_peak_memory_stats``
+  after the warm-up): the steady-state peak of training, without one-off warm-up costs such as
+  compilation or deepcompile's profiling step (which runs the graphs un-fused once). "n/a" on CPU.
 * compile: wall time of the first step, which includes Dynamo tracing and backend compilation.
 * loss: the loss of the last measured step (a sanity check that every method trains the same
   model; on random tokens it stays near ln(vocab)).
@@ -66,7 +68,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "buckets up front and leaves a 1B model a single bucket, i.e. no overlap)")
     p.add_argument("--persistence-threshold", type=float, default=1e5,
                    help="deepcompile zero_optimization.stage3_param_persistence_threshold (elements)")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="deepcompile ZeRO-3 compile.memory_budget_bytes in GiB for the profile-guided passes "
+                        "(default: compile.memory_budget_fraction of the device)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-compile", action="store_true",
@@ -133,6 +138,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.warmup < 3 and any(m in args.methods for m in ("z3-prefetch", "z3-auto", "all")):
+        p.error("--warmup must be >= 3 with z3-prefetch / z3-auto (profile at step 0, re-plan at step 1)")
     keys = list(METHODS) if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [k for k in keys if k not in METHODS]
     if unknown or not keys:
@@ -240,7 +247,7 @@ class Runner:
     note: Callable[[], str] = lambda: ""
 
 
-def deepcompile_runner(ctx: Context, stage: int, prefetch: bool = False) -> Runner:
+def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -> Runner:
     model = build_model(ctx, torch.bfloat16)  # deepcompile needs the bf16 model on the device
     optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
     config = {
@@ -251,9 +258,14 @@ def deepcompile_runner(ctx: Context, stage: int, prefetch: bool = False) -> Runn
         },
         "bf16": {"enabled": True},
         "train_micro_batch_size_per_gpu": ctx.args.micro_batch,
-        # Selective unsharding is not implemented; false avoids the engine's warning.
-        "compile": {"prefetch": prefetch, "selective_gather": False},
+        "compile": {
+            "prefetch": "prefetch" in passes,
+            "selective_gather": "selective_gather" in passes,
+            "warmup_steps": 1,  # profile step 0, plan after it
+        },
     }
+    if ctx.args.memory_budget_gib is not None:
+        config["compile"]["memory_budget_bytes"] = int(ctx.args.memory_budget_gib * 2**30)
     try:
         engine = deepcompile.initialize(model, optimizer, config)
     except BaseException:
@@ -323,13 +335,16 @@ class Method:
 # The rows; the keys are what --methods takes (the table follows the order given there; 'all' is this order).
 METHODS: Dict[str, Method] = {
     "z3": Method("deepcompile ZeRO-3", lambda ctx: deepcompile_runner(ctx, stage=3)),
-    "z3-prefetch": Method("deepcompile ZeRO-3 + prefetch", lambda ctx: deepcompile_runner(ctx, stage=3, prefetch=True)),
+    "z3-prefetch": Method("deepcompile ZeRO-3 + prefetch",
+                          lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",))),
+    "z3-auto": Method("deepcompile ZeRO-3 + prefetch + selective",
+                      lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch", "selective_gather"))),
     "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
     "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
     "fsdp2": Method("FSDP2 + compile", fsdp2_runner),
     "ddp": Method("DDP + compile", ddp_runner),
 }
-DEFAULT_METHODS = ["z3", "z3-prefetch", "z1", "z2", "fsdp2", "ddp"]
+DEFAULT_METHODS = ["z3", "z3-prefetch", "z3-auto", "z1", "z2", "fsdp2", "ddp"]
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -395,6 +410,8 @@ def measure(ctx: Context, method: Method) -> RankMeasurement:
             times.append(time.perf_counter() - start)
             if i == 0 and ctx.rank == 0:
                 print(f"  first step (compile) {times[0]:.1f} s", flush=True)
+            if i == ctx.args.warmup - 1 and ctx.is_cuda:
+                torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of the measured steps only
         m.compile_s = times[0]
         m.step_times = times[ctx.args.warmup:]
         m.loss = loss.detach().float().item()
