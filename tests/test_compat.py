@@ -67,14 +67,16 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
     engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                     "compile": {"selective_gather": False}})
+                                     "compile": {"selective_gather": False, "warmup_steps": 1}})
     engine.compile(backend="inductor")
 
     def step():
         loss = engine(torch.randn(3, 4)).sum()
         engine.backward(loss)
+        engine.step()
 
-    _, codes = run_and_get_code(step)
+    step()  # step 0: plain graphs, profiled; prefetch is planned after it
+    _, codes = run_and_get_code(step)  # step 1 compiles the graphs with prefetch
     code = "\n".join(codes)
     for op in ("dc.prefetch_params_fused", "dc.allgather_param", "dc.wait_allgather", "dc.release_param",
                "dc.reduce_grad", "dc.end_backward"):

@@ -103,11 +103,14 @@ def _unimplemented_settings_body(ctx):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="free_activation is not supported"):
         deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "compile": {"free_activation": True}})
+    # A ZeRO-3-only schedule under ZeRO-1 does nothing: said, not ignored.
+    schedule = [{"step": 1, "passes": ["prefetch"]}]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}})
+        engine = deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 1}, "compile": {"schedule": schedule}})
     if ctx.rank == 0:
-        assert any("not implemented yet" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert any("compile.schedule holds ZeRO-3 passes only" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
     engine.destroy()
 
 
