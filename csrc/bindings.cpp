@@ -45,14 +45,16 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
 void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::vector<int64_t>>& shapes,
                       const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& targets,
                       const std::vector<bool>& persistent,
-                      const std::vector<std::optional<at::ScalarType>>& expected_dtypes) {
+                      const std::vector<std::optional<at::ScalarType>>& expected_dtypes,
+                      const std::vector<std::optional<at::ScalarType>>& gather_dtypes) {
   Runtime& rt = currentRuntime();
   TORCH_CHECK(shapes.size() == ids.size() && shards.size() == ids.size() && targets.size() == ids.size() &&
-                  persistent.size() == ids.size() && expected_dtypes.size() == ids.size(),
+                  persistent.size() == ids.size() && expected_dtypes.size() == ids.size() &&
+                  gather_dtypes.size() == ids.size(),
               "deepcompile: register_z3_params: argument lists differ in length");
   std::vector<Runtime::Z3ParamSpec> specs;
   for (size_t i = 0; i < ids.size(); ++i) {
-    specs.push_back({ids[i], shapes[i], shards[i], targets[i], persistent[i], expected_dtypes[i]});
+    specs.push_back({ids[i], shapes[i], shards[i], targets[i], persistent[i], expected_dtypes[i], gather_dtypes[i]});
   }
   rt.registerZ3Params(std::move(specs));
 }
@@ -103,6 +105,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("is_persistent", [](int64_t id) { return currentRuntime().registry().get(id).persistent; });
   m.def("gathered_buffer", &gatheredBuffer);
+  m.def("registered_shard", [](int64_t id) { return currentRuntime().registry().get(id).data; });
+  m.def("gather_dtype", [](int64_t id) { return currentRuntime().registry().get(id).gather_dtype; });
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
   m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });

@@ -39,7 +39,7 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
   std::vector<at::ScalarType> dtype_list;
   for (size_t i = 0; i < id_list.size(); ++i) {
     dtype_list.push_back(dtypes.has_value() ? (*dtypes)[i]
-                                            : ex.param(id_list[i], "prefetch_params_fused").data.scalar_type());
+                                            : ex.param(id_list[i], "prefetch_params_fused").gather_dtype);
   }
   ex.prefetch(id_list, dtype_list);
 }
@@ -98,8 +98,9 @@ void free_tensors(at::TensorList tensors) {
 at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id,
                                 std::optional<at::ScalarType> dtype) {
   const DSParam& p = currentRuntime().registry().get(id);
-  // Without a requested dtype the result has the shard's dtype (not float32).
-  return at::empty(p.shape, a.options().dtype(dtype.value_or(p.data.scalar_type())));
+  // Without a requested dtype the result has the parameter's gather dtype (not the shard's
+  // storage dtype, which is fp32 for trainable parameters).
+  return at::empty(p.shape, a.options().dtype(dtype.value_or(p.gather_dtype)));
 }
 
 void prefetch_params_fused_meta(int64_t, at::TensorList, at::IntArrayRef, std::optional<at::ArrayRef<at::ScalarType>>) {}

@@ -135,6 +135,14 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
       local_error = "gradient target of ds id " + std::to_string(s.id) + " has " +
                     std::to_string(s.grad_target.numel()) + " elements (or is not contiguous), expected " +
                     std::to_string(ppr);
+    } else if (s.gather_dtype.has_value() && !at::isFloatingType(*s.gather_dtype)) {
+      local_error = "gather dtype of ds id " + std::to_string(s.id) + " is " + c10::toString(*s.gather_dtype) +
+                    "; it must be a floating-point dtype (the dtype the full parameter is computed in)";
+    } else if (s.gather_dtype.has_value() && *s.gather_dtype != s.shard.scalar_type() &&
+               !at::isFloatingType(s.shard.scalar_type())) {
+      local_error = "shard of ds id " + std::to_string(s.id) + " is stored as " +
+                    c10::toString(s.shard.scalar_type()) + " and cannot be gathered as " +
+                    c10::toString(*s.gather_dtype) + ": only a floating-point shard may differ from its gather dtype";
     }
     if (!local_error.empty()) bad_index = static_cast<int64_t>(i);
   }
@@ -150,7 +158,8 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
   for (int r = 0; r < world; ++r) {
     TORCH_CHECK(all[2 * r + 1] < 0, "deepcompile: ZeRO-3 registration error on rank ", r, " (parameter #",
                 all[2 * r + 1], " of the batch, ds id ", specs.at(all[2 * r + 1]).id,
-                "): shard size does not match; no parameter of this batch was registered");
+                "): its shard size, device, gradient target or gather dtype was rejected there; no parameter of "
+                "this batch was registered");
   }
   for (Z3ParamSpec& s : specs) {
     if (registry_.contains(s.id)) freeGathered(*this, registry_.get(s.id));
@@ -161,6 +170,7 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
     p.world = world;
     p.partitioned = true;
     p.data = s.shard;
+    p.gather_dtype = s.gather_dtype.value_or(s.shard.scalar_type());
     p.ppr = ceilDiv(p.numel, world);
     p.persistent = s.persistent;
     p.expected_grad_dtype = s.expected_grad_dtype;
@@ -192,6 +202,7 @@ void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor p
   p.world = comm_->size();
   p.partitioned = false;
   p.data = param;
+  p.gather_dtype = param.scalar_type();  // replicated: never gathered, kept for consistency
   p.group_offset = group_offset;
   p.partition_numel = partition_numel;
   registry_.add(std::move(p));
@@ -226,8 +237,9 @@ void Runtime::setPersistent(DsId id, bool persistent) {
   TORCH_CHECK(p.partitioned, "deepcompile: set_persistent: ds id ", id, " is not a ZeRO-3 parameter");
   p.persistent = persistent;
   if (persistent) {
-    // Gather now, in the shard dtype: allocating persistent buffers early limits fragmentation.
-    if (!(p.valid && p.gathered.defined())) launchGathers(*this, {&p}, {p.data.scalar_type()});
+    // Gather now, in the gather dtype (what its uses ask for, so they need no conversion):
+    // allocating persistent buffers early limits fragmentation.
+    if (!(p.valid && p.gathered.defined())) launchGathers(*this, {&p}, {p.gather_dtype});
   } else if (!anyExecutorHoldsGather(id)) {
     freeGathered(*this, p);
   }

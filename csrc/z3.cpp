@@ -8,6 +8,18 @@ namespace {
 
 bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
 
+// What this rank contributes to a gather of `p` in `dtype`. The parameter's value is its shard
+// rounded to the gather dtype (a trainable shard is the fp32 master copy, the module may be
+// bf16), so the shard is first cast to the gather dtype and only then to another requested one:
+// every dtype sees the same rounding as the module parameter. In the usual case (`dtype` is the
+// gather dtype) this is a single cast, or none when the shard is stored in that dtype.
+at::Tensor sendBuffer(const DSParam& p, at::ScalarType dtype) {
+  at::Tensor send = p.data.reshape({-1});
+  if (send.scalar_type() != p.gather_dtype) send = send.to(p.gather_dtype);
+  if (send.scalar_type() != dtype) send = send.to(dtype);
+  return send;
+}
+
 }  // namespace
 
 void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::vector<at::ScalarType>& dtypes) {
@@ -34,8 +46,7 @@ void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::
         // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
         p.gathered = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
       }
-      at::Tensor send = p.data.reshape({-1});
-      if (send.scalar_type() != dtype) send = send.to(dtype);  // fused down-cast: gather narrow
+      at::Tensor send = sendBuffer(p, dtype);  // fused down-cast: gather narrow
       staged.push_back(send);
       comm.allGather(send, p.gathered);
       p.valid = true;
@@ -54,7 +65,7 @@ at::Tensor gatherPrivateCopy(Runtime& rt, DSParam& p, at::ScalarType dtype) {
   {
     LaneScope scope(lanes, Lane::AllGather);
     buffer = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
-    at::Tensor send = p.data.reshape({-1}).to(dtype);
+    at::Tensor send = sendBuffer(p, dtype);
     rt.comm().beginGroup(Lane::AllGather);
     rt.comm().allGather(send, buffer);
   }
@@ -81,15 +92,18 @@ void freeGathered(Runtime& rt, DSParam& p) {
 
 at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
   DSParam& p = param(id, "allgather_param");
-  const at::ScalarType target = dtype.value_or(p.data.scalar_type());
+  const at::ScalarType target = dtype.value_or(p.gather_dtype);
   if (!(p.valid && p.gathered.defined())) {
     launchGathers(rt_, {&p}, {target});
     return p.gatheredView();
   }
+  // Prefetches and persistent gathers land in the gather dtype, which is also what a request
+  // without a dtype asks for: the normal path returns the buffer without any conversion.
   if (p.gathered.scalar_type() == target) return p.gatheredView();
-  if (p.gathered.scalar_type() == p.data.scalar_type()) {
-    // Valid in the shard's dtype (prefetched or persistent): converting is exact, but only
-    // after the gather landed.
+  if (p.gathered.scalar_type() == p.gather_dtype) {
+    // Valid in the gather dtype, another one requested (e.g. a fused cast of a persistent
+    // parameter): the buffer holds the parameter's exact values, so converting gives what a
+    // fresh gather would, but only after the gather landed.
     if (p.gather_done) p.gather_done->blockStream(rt_.lanes().computeStream());
     return p.gatheredView().to(target);
   }

@@ -11,7 +11,8 @@ Parameter layouts the runtime understands:
 * ZeRO-3 (``register_z3_params``): a parameter of ``numel`` elements is flattened, padded to
   ``world * ppr`` with ``ppr = ceil(numel / world)`` and rank ``r`` holds elements
   ``[r * ppr, (r + 1) * ppr)`` as its shard. Its gradient target is this rank's ``ppr``-element
-  slice of the averaged gradient (padding tail included, always zero).
+  slice of the averaged gradient (padding tail included, always zero). The shard may be stored
+  in a wider dtype than the parameter is gathered in (``gather_dtypes``).
 * ZeRO-1/2 (``register_z12_param``): parameters stay replicated. Each parameter group is one flat
   vector padded to ``world * partition_numel``; a parameter occupies ``[group_offset,
   group_offset + numel)`` of it and rank ``r`` owns ``[r * partition_numel, (r + 1) *
@@ -54,6 +55,8 @@ __all__ = [
     "is_gathered",
     "is_persistent",
     "gathered_buffer",
+    "registered_shard",
+    "gather_dtype",
     "pending_reduce_tasks",
     "reduce_bucket_numel",
     "holds_grad_target",
@@ -175,18 +178,30 @@ def register_z3_params(
     grad_targets: Sequence[Optional[torch.Tensor]],
     persistent: Optional[Sequence[bool]] = None,
     expected_grad_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+    gather_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
 ) -> None:
     """Register ZeRO-3 parameters in one batch (one collective validates all shard sizes).
 
     Every rank must call this with the same ids and shapes. A shard whose numel is not
     ``ceil(numel / world)`` on any rank makes every rank raise, instead of later collectives
     hanging or corrupting memory.
+
+    ``gather_dtypes[i]`` is the dtype parameter ``i`` is gathered in when a gather names no dtype
+    (``allgather_param`` without one, prefetches without dtypes, ``set_persistent``): the module
+    parameter's dtype. It may differ from the shard's storage dtype, e.g. an fp32 master shard of
+    a bf16 parameter, which then gathers as bf16 with the cast fused into the gather. The
+    parameter's value is the shard rounded to its gather dtype. ``None`` (the default): the
+    shard's own dtype. A gather dtype must be a floating-point dtype.
     """
     n = len(ds_ids)
     persistent = list(persistent) if persistent is not None else [False] * n
     expected = list(expected_grad_dtypes) if expected_grad_dtypes is not None else [None] * n
-    if not (len(shapes) == len(shards) == len(grad_targets) == len(persistent) == len(expected) == n):
+    gather = list(gather_dtypes) if gather_dtypes is not None else [None] * n
+    if not (len(shapes) == len(shards) == len(grad_targets) == len(persistent) == len(expected) == len(gather) == n):
         raise ValueError("register_z3_params: all argument lists must have the same length")
+    for ds_id, dtype in zip(ds_ids, gather):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"register_z3_params: gather dtype of ds id {int(ds_id)} must be a torch.dtype, got {dtype!r}")
     targets = [t if t is not None else torch.empty(0, dtype=s.dtype, device=s.device) for t, s in zip(grad_targets, shards)]
     _C.register_z3_params(
         [int(i) for i in ds_ids],
@@ -195,6 +210,7 @@ def register_z3_params(
         targets,
         [bool(p) for p in persistent],
         expected,
+        gather,
     )
 
 
@@ -205,8 +221,9 @@ def register_z3_param(
     grad_target: Optional[torch.Tensor] = None,
     persistent: bool = False,
     expected_grad_dtype: Optional[torch.dtype] = None,
+    gather_dtype: Optional[torch.dtype] = None,
 ) -> None:
-    register_z3_params([ds_id], [shape], [shard], [grad_target], [persistent], [expected_grad_dtype])
+    register_z3_params([ds_id], [shape], [shard], [grad_target], [persistent], [expected_grad_dtype], [gather_dtype])
 
 
 def register_z12_param(
@@ -291,6 +308,16 @@ def is_persistent(ds_id: int) -> bool:
 def gathered_buffer(ds_id: int) -> Optional[torch.Tensor]:
     """The flat padded buffer the registry holds for ``ds_id`` (None when released)."""
     return _C.gathered_buffer(int(ds_id))
+
+
+def registered_shard(ds_id: int) -> torch.Tensor:
+    """The tensor registered as ``ds_id``'s data (ZeRO-3: the shard gathers read from)."""
+    return _C.registered_shard(int(ds_id))
+
+
+def gather_dtype(ds_id: int) -> torch.dtype:
+    """The dtype ``ds_id`` is gathered in when no dtype is requested."""
+    return _C.gather_dtype(int(ds_id))
 
 
 def pending_reduce_tasks() -> int:

@@ -449,6 +449,98 @@ def test_persistent_params_after_update(dist_world_size):
     run_distributed(_body_persistent, dist_world_size)
 
 
+def _body_gather_dtype_differs_from_shard(ctx):
+    """An fp32 shard registered with gather dtype bf16 (how the engine registers a bf16 model's
+    fp32 master shard): a gather without a dtype returns bf16, the bf16 rounding of the full fp32
+    tensor; prefetches without dtypes and set_persistent gather in bf16 as well, so later uses get
+    the gathered buffer itself with no conversion; an explicit fp32 request gets the parameter's
+    (bf16-rounded) values, never the unrounded master; the shard stays the gather source across
+    in-place updates. An invalid gather dtype fails on every rank, naming the ds id."""
+    ctx.init_runtime(CONFIG)
+    A, B = 11, 23  # A: fp32 shard gathered as bf16; B: default gather dtype (the shard's, fp32)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    specs = [s for s in FP32_SPECS if s[0] in (A, B)]
+    fulls = {i: full_param(i, shape, fp32, ctx.device) for i, shape, _ in specs}
+    shards = {i: z3_shard(fulls[i], ctx.world_size, ctx.rank) for i in fulls}
+    assert not torch.equal(fulls[A].to(bf16).float(), fulls[A]), "test data must not be bf16-exact"
+    runtime.register_z3_params(
+        [A, B], [s[1] for s in specs], [shards[A], shards[B]], [None, None], gather_dtypes=[bf16, None]
+    )
+    runtime.register_graph(GRAPH, [A, B], 3)
+    assert runtime.gather_dtype(A) == bf16 and runtime.gather_dtype(B) == fp32
+    reg = runtime.registered_shard(A)
+    assert reg.dtype == fp32 and reg.data_ptr() == shards[A].data_ptr(), "the fp32 shard must be registered as is"
+
+    # 1) No dtype requested: the gather dtype, values rounded once from fp32.
+    for i, want in ((A, bf16), (B, fp32)):
+        out = gather(shards[i], GRAPH, i)
+        assert out.dtype == want, f"ds_id {i}: gathered as {out.dtype}, gather dtype is {want}"
+        assert torch.equal(out, fulls[i].to(want)), f"ds_id {i}: wrong values"
+        assert runtime.gathered_buffer(i).dtype == want
+        ops.release_param(out, GRAPH, i, 1)
+        assert_freed(out, f"ds_id {i}: after the final release")
+    meta = ops.allgather_param(torch.empty(specs[0][1], device="meta"), GRAPH, A)
+    assert meta.dtype == bf16 and tuple(meta.shape) == specs[0][1], "meta kernel must use the gather dtype"
+
+    # 2) An explicit fp32 request, fresh: the parameter's value is bf16(master), widened.
+    out = gather(shards[A], GRAPH, A, fp32)
+    assert out.dtype == fp32 and torch.equal(out, fulls[A].to(bf16).float()), "fp32 request must see bf16 rounding"
+    ops.release_param(out, GRAPH, A, 1)
+
+    # 3) A prefetch without dtypes (as the prefetch pass emits for uncast uses) lands in bf16; the
+    # later gather without a dtype returns that very buffer; an fp32 request converts from it.
+    ops.prefetch_params_fused(GRAPH, [shards[A], shards[B]], [A, B])
+    buf = runtime.gathered_buffer(A)
+    assert buf is not None and buf.dtype == bf16, "prefetch without dtypes must gather in the gather dtype"
+    assert runtime.gathered_buffer(B).dtype == fp32
+    out = gather(shards[A], GRAPH, A)
+    assert same_storage(out, buf) and torch.equal(out, fulls[A].to(bf16)), "a second copy was made"
+    wide = gather(shards[A], GRAPH, A, fp32)
+    assert wide.dtype == fp32 and torch.equal(wide, fulls[A].to(bf16).float())
+    ops.release_param(out, GRAPH, A, 2)
+    ops.release_param(wide, GRAPH, A, 2)
+    out_b = gather(shards[B], GRAPH, B)
+    ops.release_param(out_b, GRAPH, B, 1)
+    assert not runtime.is_gathered(A) and not runtime.is_gathered(B)
+
+    # 4) set_persistent gathers right away, in bf16; uses get that buffer without conversion.
+    runtime.set_persistent(A)
+    buf = runtime.gathered_buffer(A)
+    assert buf is not None and buf.dtype == bf16, f"set_persistent gathered in {None if buf is None else buf.dtype}"
+    out = gather(shards[A], GRAPH, A)
+    assert same_storage(out, buf) and torch.equal(out, fulls[A].to(bf16))
+    ops.release_param(out, GRAPH, A, 1)
+    assert_alive(out, "persistent buffer after release")
+
+    # 5) The shard is the gather source: an in-place update (what the optimizer does to the
+    # master) shows after invalidation, rounded to bf16, in the same persistent buffer.
+    shards[A].add_(1.0 / 3.0)
+    runtime.invalidate_all_gathered()
+    out = gather(shards[A], GRAPH, A)
+    assert out.dtype == bf16 and torch.equal(out, (fulls[A] + 1.0 / 3.0).to(bf16)), "stale or unrounded values"
+    assert same_storage(out, buf), "the persistent buffer was not reused"
+    ops.release_param(out, GRAPH, A, 1)
+
+    # 6) Invalid gather dtypes: every rank raises (a collective verdict), naming the ds id, and
+    # nothing of the batch is registered.
+    C = 5
+    shard_c = z3_shard(full_param(C, (1,), fp32, ctx.device), ctx.world_size, ctx.rank)
+    with pytest.raises(RuntimeError, match=r"gather dtype of ds id 5 is Int.*floating-point"):
+        runtime.register_z3_params([C], [(1,)], [shard_c], [None], gather_dtypes=[torch.int32])
+    with pytest.raises(RuntimeError, match=r"shard of ds id 5 is stored as Long and cannot be gathered as BFloat16"):
+        runtime.register_z3_params([C], [(1,)], [shard_c.long()], [None], gather_dtypes=[bf16])
+    with pytest.raises(TypeError, match=r"gather dtype of ds id 5"):
+        runtime.register_z3_params([C], [(1,)], [shard_c], [None], gather_dtypes=["bfloat16"])
+    with pytest.raises(RuntimeError, match=r"unknown ds id 5"):
+        runtime.is_gathered(C)
+    runtime.register_z3_param(C, (1,), shard_c, gather_dtype=bf16)
+    assert runtime.gather_dtype(C) == bf16
+
+
+def test_gather_dtype_differs_from_shard(dist_world_size):
+    run_distributed(_body_gather_dtype_differs_from_shard, dist_world_size)
+
+
 # ----------------------------------------------------------------------------------------------
 # release
 # ----------------------------------------------------------------------------------------------

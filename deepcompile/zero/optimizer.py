@@ -2,6 +2,11 @@
 
 The user's optimizer is kept (its class, param groups and hyper-parameters) and re-targeted at
 the fp32 master shards of this rank, so its state (e.g. Adam moments) is partitioned too.
+
+A master shard shares its storage with the shard registered in the runtime (the gather source),
+so the optimizer's in-place update is all a step has to do: there is no copy back into a
+parameter-dtype shard. The next gather reads the updated values and rounds them to the
+parameter's dtype, exactly as a copy into a bf16 shard did.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ class ShardedOptimizer:
         offset = 0
         for sp in trainable:
             sp.grad_partition = self.flat_grads[offset : offset + sp.ppr]
-            sp.master = torch.nn.Parameter(sp.shard.detach().float().clone())
+            if sp.shard.dtype != torch.float32:
+                raise ValueError(f"ZeRO-3: the shard of trainable parameter {sp.name} must be fp32, got {sp.shard.dtype}")
+            # Same storage as the registered shard: the optimizer updates the gather source itself.
+            sp.master = torch.nn.Parameter(sp.shard, requires_grad=True)
             offset += sp.ppr
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
@@ -70,7 +78,12 @@ class ShardedOptimizer:
             # As in torch: a parameter that got no gradient in this window is not stepped.
             sp.master.grad = sp.grad_partition if runtime.was_reduced(sp.ds_id) else None
         self.optimizer.step()
-        with torch.no_grad():
-            for sp in self.trainable:
-                sp.master.grad = None
-                sp.shard.copy_(sp.master)
+        for sp in self.trainable:
+            sp.master.grad = None
+            # The runtime gathers from `shard`; an optimizer that rebinds `.data` instead of
+            # updating in place (no torch.optim optimizer does) would silently stop training.
+            if sp.master.data_ptr() != sp.shard.data_ptr():
+                raise RuntimeError(
+                    f"ZeRO-3: the optimizer replaced the storage of the master weights of {sp.name} instead of "
+                    "updating them in place; deepcompile gathers parameters from that storage"
+                )

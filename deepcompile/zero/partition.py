@@ -7,6 +7,11 @@ therefore traces and guards the true shape (no patches of its fake-tensor machin
 use that was not replaced by a gather produces NaNs instead of silently wrong numbers. The graph
 passes replace every use by ``dc.allgather_param``; frames Dynamo runs eagerly gather through
 ``eager_fallback``.
+
+A trainable parameter's shard is stored in fp32: it is the optimizer's master copy and, at the
+same time, the source the runtime all-gathers from, cast to the parameter's dtype on the way
+(``gather_dtype``). There is no second shard in the parameter's dtype to keep in sync. Frozen
+parameters keep their shard in the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -33,10 +38,14 @@ class ShardedParam:
     shape: torch.Size
     numel: int
     ppr: int
-    shard: torch.Tensor  # (ppr,) in the parameter's dtype
+    # (ppr,) what the runtime gathers from: fp32 for trainable parameters (it is also the
+    # optimizer's master copy), the parameter's dtype for frozen ones.
+    shard: torch.Tensor
     persistent: bool
+    gather_dtype: torch.dtype  # the parameter's dtype: what gathers return
     grad_partition: Optional[torch.Tensor] = None  # (ppr,) fp32 view into the flat gradient buffer
-    master: Optional[torch.Tensor] = None  # (ppr,) fp32 master weights (trainable params only)
+    # (ppr,) fp32 master weights (trainable params only): a Parameter over the storage of `shard`.
+    master: Optional[torch.Tensor] = None
 
     @property
     def trainable(self) -> bool:
@@ -78,6 +87,11 @@ def partition_parameters(
             full = _broadcast_from_first_rank(param.data, group)
         numel = full.numel()
         ppr = -(-numel // world)
+        shard = shard_of(full, rank, world)
+        if param.requires_grad:
+            # The master copy is the shard: fp32 values of the (identical) parameter values.
+            # For an fp32 parameter this is the shard itself, not a copy.
+            shard = shard.float()
         sp = ShardedParam(
             ds_id=len(sharded),
             name=name,
@@ -85,8 +99,9 @@ def partition_parameters(
             shape=param.shape,
             numel=numel,
             ppr=ppr,
-            shard=shard_of(full, rank, world),
+            shard=shard,
             persistent=numel <= persistence_threshold,
+            gather_dtype=param.dtype,
         )
         param.data = make_placeholder(param.shape, param.dtype, param.device)
         param.ds_id = sp.ds_id  # lets graph passes and users identify partitioned parameters

@@ -30,6 +30,7 @@ class Zero3Sharding:
             [sp.grad_partition for sp in self.params],
             [sp.persistent for sp in self.params],
             [torch.float32 if sp.trainable else None for sp in self.params],
+            gather_dtypes=[sp.gather_dtype for sp in self.params],
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
         self.eager = EagerGatherHooks(model, self.params)
@@ -42,7 +43,8 @@ class Zero3Sharding:
             self.optimizer.clip_grad_norm(clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        # Shards changed: gathered copies (persistent ones included) are stale.
+        # The master shards (the gather sources) changed in place: gathered copies (persistent
+        # ones included) are stale.
         runtime.invalidate_all_gathered()
 
     def eagerly_gathered_params(self) -> List[str]:

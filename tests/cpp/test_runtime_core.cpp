@@ -225,6 +225,49 @@ TEST_F(RuntimeFixture, PersistentRegatherHonoursDtype) {
   EXPECT_EQ(again[0].item<float>(), 2.5f);
 }
 
+TEST_F(RuntimeFixture, Fp32ShardGathersInItsGatherDtype) {
+  make(0, 2);
+  // An fp32 master shard of a bf16 parameter: 1/3 is not exact in bf16.
+  at::Tensor shard = at::full({2}, 1.0f / 3.0f);
+  Runtime::Z3ParamSpec spec{1, {3}, shard, at::Tensor(), false, std::nullopt, at::kBFloat16};
+  rt->registerZ3Params({spec});
+  rt->registerGraph(3, {1}, 3);
+  EXPECT_EQ(rt->registry().get(1).gather_dtype, at::kBFloat16);
+  EXPECT_EQ(rt->registry().get(1).data.scalar_type(), at::kFloat);
+  Z3Executor& ex = rt->z3Executor(3, "test");
+  at::Tensor out = ex.allgather(1, std::nullopt);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(out, shard.narrow(0, 0, 1).repeat({3}).to(at::kBFloat16)));
+  ex.release(1, 1);
+  // An fp32 request sees the parameter's bf16-rounded value, not the unrounded master.
+  at::Tensor wide = ex.allgather(1, at::kFloat);
+  EXPECT_EQ(wide[0].item<float>(), shard.to(at::kBFloat16).to(at::kFloat)[0].item<float>());
+  EXPECT_NE(wide[0].item<float>(), 1.0f / 3.0f);
+  ex.release(1, 1);
+  rt->setPersistent(1, true);  // gathers in bf16 right away
+  ASSERT_TRUE(rt->registry().get(1).gathered.defined());
+  EXPECT_EQ(rt->registry().get(1).gathered.scalar_type(), at::kBFloat16);
+  const int gathers = comm->gathers;
+  at::Tensor again = ex.allgather(1, std::nullopt);
+  EXPECT_EQ(comm->gathers, gathers);  // served from the persistent buffer
+  EXPECT_EQ(again.data_ptr(), rt->registry().get(1).gathered.data_ptr());
+  // A default gather dtype is the shard's own.
+  rt->registerZ3Params({{2, {4}, at::ones({2}, at::kBFloat16), at::Tensor(), false, std::nullopt}});
+  EXPECT_EQ(rt->registry().get(2).gather_dtype, at::kBFloat16);
+}
+
+TEST_F(RuntimeFixture, NonFloatingGatherDtypeIsRejectedWithItsId) {
+  make(0, 2);
+  Runtime::Z3ParamSpec spec{9, {4}, at::ones({2}), at::Tensor(), false, std::nullopt, at::kInt};
+  try {
+    rt->registerZ3Params({spec});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gather dtype of ds id 9"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(rt->registry().contains(9));
+}
+
 TEST_F(RuntimeFixture, Zero3ReduceOverflowsBucketsAndZeroesPadding) {
   make(/*rank=*/2, /*world=*/3, /*bucket=*/4);
   at::Tensor t1 = at::empty({3}), t2 = at::empty({2});

@@ -36,6 +36,12 @@ struct DSParam {
   int64_t group_offset = 0;
   int64_t partition_numel = 0;
 
+  // ZeRO-3: the dtype the full parameter is gathered in when no dtype is requested: the module
+  // parameter's dtype, what graphs and eager frames compute with. It may differ from the
+  // storage dtype of `data`: a trainable parameter's shard is its fp32 master copy, and a bf16
+  // model gathers it as bf16 (the cast is done on the sending side, fused into the gather).
+  // The parameter's value is `data` rounded to this dtype; other dtypes are casts of that value.
+  at::ScalarType gather_dtype = at::ScalarType::Undefined;
   std::optional<at::ScalarType> expected_grad_dtype;  // cast gradients to this before bucketing
   bool persistent = false;                           // never freed by release_param
 

@@ -56,6 +56,8 @@ class Runtime {
     at::Tensor grad_target;  // numel ppr, or empty for frozen parameters
     bool persistent;
     std::optional<at::ScalarType> expected_grad_dtype;
+    // The dtype gathers default to (DSParam::gather_dtype); unset: the shard's own dtype.
+    std::optional<at::ScalarType> gather_dtype = std::nullopt;
   };
   // Validates every shard size on every rank with one collective; all ranks raise together.
   void registerZ3Params(std::vector<Z3ParamSpec> specs);
