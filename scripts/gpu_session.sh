@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU-machine call that does everything a session needs, within the 10-minute limit of a call:
+# build, the GPU tests (pytest args from $GPU_TESTS), the benchmark rows ($BENCH_METHODS), and the
+# compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
+# a part that runs long costs only its own results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-32}
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  git log -1 --format='commit %h %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/env.txt"
+
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "built at $(elapsed) s"
+
+DC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs ${GPU_TESTS:-tests} \
+  --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$? at $(elapsed) s"; tail -15 "$OUT/pytest.log"
+
+if [ -n "${BENCH_METHODS:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-240}" torchrun --master-port 29613 --nproc-per-node 2 bench/train_bench.py \
+    --methods "$BENCH_METHODS" --warmup 4 --steps 8 ${BENCH_ARGS:-} --markdown "$OUT/RESULTS.md" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? at $(elapsed) s"; grep -E "^(method|---|deepcompile|FSDP2|DDP)" "$OUT/bench.log" | tail -12
+fi
+
+left=$(( ${CALL_BUDGET:-570} - $(elapsed) ))
+if [ "$left" -gt 60 ] && [ -f scripts/gpu_sanitizer.sh ]; then
+  SANITIZER_TIMEOUT=$(( left - 10 )) timeout "$left" bash scripts/gpu_sanitizer.sh > "$OUT/sanitizer.out" 2>&1
+  echo "sanitizer rc=$? at $(elapsed) s"; tail -5 "$OUT/sanitizer.out"
+else
+  echo "sanitizer skipped: ${left} s left"
+fi
