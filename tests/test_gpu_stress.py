@@ -15,8 +15,12 @@ initialization:
 
 * overlapped: the configuration as is;
 * serialized: all four debug syncs on (``compile.sync_before_reduce``, ``sync_after_reduce``,
-  ``sync_before_allgather``, ``sync_after_allgather``): a full device synchronize around every
-  reduction and every gather, so no communication overlaps any compute.
+  ``sync_before_allgather``, ``sync_after_allgather``): a full device synchronize before and after
+  every ``reduce_grad`` and every ``allgather_param``. A gradient's copy into its bucket, and the
+  flush (reduce) it may trigger, complete before the next kernel is queued, and every gathered
+  parameter (prefetched or not) has landed before any kernel that reads it is queued. A fused
+  prefetch still travels while the preceding layer computes, but its buffers are complete at
+  their first use either way.
 
 Syncs change only the order in which independent work runs, never the arithmetic: with correct
 stream ordering both runs compute bit for bit the same losses and final parameters. A race makes
