@@ -20,9 +20,9 @@ elapsed() { echo $(( $(date +%s) - start )); }
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "built at $(elapsed) s"
 
-DC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs ${GPU_TESTS:-tests} \
+DC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -rs ${GPU_TESTS:-tests} \
   --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$? at $(elapsed) s"; tail -15 "$OUT/pytest.log"
+echo "pytest rc=$? at $(elapsed) s"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest.log" | sed "s/ *\[ *[0-9]*%\]//" | tail -40
 
 if [ -n "${BENCH_METHODS:-}" ]; then
   timeout "${BENCH_TIMEOUT:-240}" torchrun --master-port 29613 --nproc-per-node 2 bench/train_bench.py \
