@@ -68,6 +68,7 @@ class Engine:
         self._graphs = None  # set by compile()
         self._compile_args: Optional[tuple] = None
         self._backends: Dict[str, Any] = {}
+        self._retired_backends: List[Any] = []
         self._warned_string_backend = False
         self.scheduler = ScheduleDriver(self)
         global _ACTIVE
@@ -91,6 +92,7 @@ class Engine:
         re-planned this way: it keeps its graphs (selective unsharding still applies).
         """
         string_backend_used = any(b is not self._graphs for b in self._backends.values())
+        self._retired_backends.extend(self._backends.values())  # their graphs may still run
         self._backends = {}
         if self._compile_args is not None:
             backend, kwargs = self._compile_args
@@ -167,6 +169,15 @@ class Engine:
 
     def destroy(self) -> None:
         global _ACTIVE
+        from deepcompile.compiler.backend import detach_backend
+
+        # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut
+        # every path from it to the engine's tensors.
+        self.scheduler.close()
+        for backend in [*self._backends.values(), *self._retired_backends]:
+            detach_backend(backend)
+        self._backends, self._retired_backends = {}, []
+        self._compiled = self._graphs = None
         self.sharding.close()
         runtime.cleanup()
         if _ACTIVE is self:

@@ -351,3 +351,41 @@ def _profile_failure_body(ctx, node_kind):
 @pytest.mark.parametrize("node_kind", ["forward", "backward"])
 def test_a_rank_failing_while_profiling_does_not_hang_the_others(node_kind):
     run_distributed(_profile_failure_body, world_size=2, args=(node_kind,), timeout=120)
+
+
+def _destroy_releases_state_body(ctx, warmup_steps):
+    import gc
+    import weakref
+
+    import deepcompile
+    from parity_cases import batch, build_model, make_optimizer
+
+    torch._dynamo.reset()
+
+    def train_and_destroy():
+        model = build_model("mlp", device=ctx.device)
+        engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _z3(warmup_steps=warmup_steps))
+        engine.compile(backend="eager")
+        n = GLOBAL_BATCH // ctx.world_size
+        for step in range(3):
+            x, y = batch("mlp", step, device=ctx.device)
+            loss = engine(x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n])
+            engine.backward(loss)
+            engine.step()
+        engine.destroy()
+        return weakref.ref(engine), weakref.ref(engine.sharding.optimizer.flat_grads), loss
+
+    engine_ref, grads_ref, last_loss = train_and_destroy()
+    gc.collect()
+    # Compiled code outlives the engine (Dynamo's cache, the last loss's autograd graph), but must
+    # not keep the engine's tensors alive: a benchmark or a job building a second engine would
+    # otherwise carry the first one's optimizer state.
+    assert grads_ref() is None, "the gradient partition survived engine.destroy()"
+    assert engine_ref() is None, "the engine survived engine.destroy()"
+    del last_loss
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 5])  # with and without a schedule switch
+def test_destroy_releases_the_engine_state(warmup_steps):
+    run_distributed(_destroy_releases_state_body, world_size=2, args=(warmup_steps,))

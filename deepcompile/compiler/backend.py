@@ -140,23 +140,44 @@ def _copy_graph_module(gm: GraphModule) -> GraphModule:
 
 
 class _ProfiledCallable:
-    """A compiled graph half that the schedule driver can run through the profiler instead."""
+    """A compiled graph half that the schedule driver can run through the profiler instead.
+
+    Slots, no ``__dict__``: torch wraps compiled halves with ``functools.wraps``, which copies the
+    wrapped object's ``__dict__`` into the wrapper; with a dict, the driver (and through it the
+    engine's whole state) would stay referenced by those wrappers after ``engine.destroy()``.
+    ``detach`` drops every reference once the engine is gone.
+    """
+
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "__weakref__")
+    _boxed_call = True  # aot_autograd may pass the arguments as one list, which we then clear
 
     def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver):
-        # aot_autograd passes the arguments as one list (which we may clear). An instance
-        # attribute, so that wrappers copying __dict__ (functools.wraps) keep it.
-        self._boxed_call = True
         self.compiled = compiled
         self.gm = gm
         self.signature = signature
         self.record = record
         self.driver = driver
+        driver.track(self)
 
-    def __call__(self, args: List[Any]):
+    def __call__(self, *args: Any):
+        # Boxed (one list, from aot_autograd) or unboxed (a wrapper that did not keep
+        # _boxed_call); graph inputs are tensors and symbolic ints, never lists.
+        boxed = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
+        if self.driver is None:
+            raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
         if self.driver.wants_profile(self.signature):
-            return self.driver.run_profiled(self.gm, args, self.compiled, self.signature, self.record.graph_id,
+            return self.driver.run_profiled(self.gm, boxed, self.compiled, self.signature, self.record.graph_id,
                                             list(self.record.param_slots.values()))
-        return self.compiled(args)
+        return self.compiled(boxed)
+
+    def detach(self) -> None:
+        self.compiled = self.gm = self.driver = None
+
+
+def detach_backend(backend: DeepCompileBackend) -> None:
+    """Drop the backend's references to its engine (compiler closures may outlive the engine)."""
+    backend.engine = backend.driver = None
+    backend._ds_id_of = {}
 
 
 def make_backend(engine: Any, inner: str = "inductor") -> DeepCompileBackend:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -66,6 +67,22 @@ class ScheduleDriver:
         self._fresh_profile = False
         self.report = ScheduleReport(engine)
         self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
+        self._halves: List[Any] = []  # weak references to the compiled halves handed to torch
+
+    # ---- compiled graphs --------------------------------------------------------------------
+
+    def track(self, compiled_half: Any) -> None:
+        self._halves.append(weakref.ref(compiled_half))
+
+    def close(self) -> None:
+        """The engine is destroyed: let go of every compiled half, graph and profile."""
+        for ref in self._halves:
+            half = ref()
+            if half is not None:
+                half.detach()
+        self._halves = []
+        self.graphs, self.gathers, self.profiles, self.plans = {}, {}, {}, {}
+        self.report.verify_profiles = {}
 
     # ---- what the backend asks --------------------------------------------------------------
 
