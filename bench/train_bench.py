@@ -128,6 +128,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="disable Inductor/AOTAutograd caches, so every row's compile time is a cold compile "
                         "(by default a later row may reuse kernels an earlier row or an earlier run compiled)")
     p.add_argument("--markdown", metavar="PATH", help="also append the table as Markdown to PATH")
+    p.add_argument("--trace", metavar="DIR", help="after the measured steps, profile --trace-steps more with "
+                   "torch.profiler and write a text summary per method to DIR/<method>.txt (rank 0)")
+    p.add_argument("--trace-steps", type=int, default=2)
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**PRESETS[preset])
@@ -330,6 +333,7 @@ def ddp_runner(ctx: Context) -> Runner:
 class Method:
     name: str  # the row label
     build: Callable[[Context], Runner]
+    key: str = ""  # the --methods key (filled in below)
 
 
 # The rows; the keys are what --methods takes (the table follows the order given there; 'all' is this order).
@@ -344,6 +348,7 @@ METHODS: Dict[str, Method] = {
     "fsdp2": Method("FSDP2 + compile", fsdp2_runner),
     "ddp": Method("DDP + compile", ddp_runner),
 }
+METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
 DEFAULT_METHODS = ["z3", "z3-prefetch", "z3-auto", "z1", "z2", "fsdp2", "ddp"]
 
 
@@ -414,6 +419,11 @@ def measure(ctx: Context, method: Method) -> RankMeasurement:
                 torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of the measured steps only
         m.compile_s = times[0]
         m.step_times = times[ctx.args.warmup:]
+        if ctx.args.trace:
+            from step_trace import trace_steps
+
+            trace_steps(runner.step, ctx.batches[: ctx.args.trace_steps], lambda: sync(ctx),
+                        os.path.join(ctx.args.trace, f"{method.key}.txt"), method.name, write=ctx.rank == 0)
         m.loss = loss.detach().float().item()
         m.note = runner.note()
         if ctx.is_cuda:
