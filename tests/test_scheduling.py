@@ -169,6 +169,18 @@ def test_guided_prefetch_respects_the_memory_budget():
     _no_use_before_wait(gm)
 
 
+def test_persistent_parameters_are_still_prefetched_but_cost_no_budget():
+    # Persistent parameters are stale after every optimizer step and refilled by their first
+    # gather; leaving them out of the prefetch plan would expose every refill in the forward.
+    gm = _three_layer_graph()
+    peak = 1000
+    plan = plan_prefetch(gm, 1, resident=[0, 1], profile=_flat_profile(gm, peak), comm=BANDWIDTH_BOUND,
+                         budget_bytes=peak + 45)
+    assert [g.gathers[0].ds_id for g in plan.groups] == [0, 1, 2]
+    assert all(g.ahead for g in plan.groups)  # w1 and w2 keep their buffers; w3 (40 B) fits in 45 B
+    assert plan.max_ahead_bytes == 40
+
+
 def test_persistent_plan_ranks_by_time_per_byte_and_respects_the_budget():
     gm = _three_layer_graph()
     gathers = graph_gathers(gm)  # 60, 50, 40 bytes

@@ -95,7 +95,7 @@ class ScheduleDriver:
             return None
         profile = self.profiles.get(signature)
         plan = planner.plan_prefetch(
-            gm, self.max_group_numel, persistent=self._persistent_ids(), profile=profile,
+            gm, self.max_group_numel, resident=self._persistent_ids(), profile=profile,
             comm=self.comm, budget_bytes=self.budget_bytes() if profile is not None else None,
         )
         self.plans[signature] = plan
@@ -206,7 +206,7 @@ class ScheduleDriver:
     def _preview_prefetch(self) -> Dict[Tuple, planner.PrefetchPlan]:
         """The prefetch plans the recompile will make (same inputs, so the same plans)."""
         return {
-            sig: planner.plan_prefetch(gm, self.max_group_numel, persistent=self._persistent_ids(),
+            sig: planner.plan_prefetch(gm, self.max_group_numel, resident=self._persistent_ids(),
                                        profile=self.profiles.get(sig), comm=self.comm,
                                        budget_bytes=self.budget_bytes())
             for sig, gm in self.graphs.items() if sig in self.profiles

@@ -93,9 +93,12 @@ class PrefetchPlan:
     predicted_peak_bytes: Optional[int]  # None without a profile
     guided: bool  # planned from a profile (False: static fallback)
 
+    resident: frozenset = frozenset()
+
     @property
     def max_ahead_bytes(self) -> int:
-        return max((g.nbytes for g in self.groups if g.ahead), default=0)
+        return max((sum(x.nbytes for x in g.gathers if x.ds_id not in self.resident)
+                    for g in self.groups if g.ahead), default=0)
 
 
 def _fuse(gathers: Sequence[Gather], max_group_numel: int, comm: Optional[CommModel]) -> List[List[Gather]]:
@@ -128,15 +131,19 @@ def _node_peaks(gm: GraphModule, profile: GraphProfile) -> Dict[str, int]:
     return peaks
 
 
-def plan_prefetch(gm: GraphModule, max_group_numel: int, persistent: Iterable[int] = (),
+def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int] = (),
                   profile: Optional[GraphProfile] = None, comm: Optional[CommModel] = None,
                   budget_bytes: Optional[int] = None) -> PrefetchPlan:
-    keep = set(persistent)
-    gathers = [g for g in graph_gathers(gm) if g.ds_id not in keep]
+    """``resident``: persistent parameters. They stay in the groups: after every optimizer step
+    they are stale and refilled by their first gather, which must be prefetched like any other
+    (the runtime skips them when they are still valid). Their buffers are kept, so launching
+    them early costs no memory and they count 0 bytes against the budget."""
+    kept = set(resident)
+    gathers = graph_gathers(gm)
     guided = profile is not None and profile.complete
     groups = _fuse(gathers, max_group_numel, comm if guided else None)
     if not groups:
-        return PrefetchPlan([], profile.peak_bytes if guided else None, guided)
+        return PrefetchPlan([], profile.peak_bytes if guided else None, guided, frozenset(kept))
     order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
     nodes = list(gm.graph.nodes)
     head = next(n for n in nodes if n.op != "placeholder")
@@ -150,12 +157,12 @@ def plan_prefetch(gm: GraphModule, max_group_numel: int, persistent: Iterable[in
         if guided and budget_bytes is not None:
             window = nodes[order[anchor.name]: order[use.name] + 1]
             window_peak = max((peaks[n.name] for n in window), default=0)
-            extra = sum(g.nbytes for g in group)
+            extra = sum(g.nbytes for g in group if g.ds_id not in kept)
             ahead = window_peak + extra <= budget_bytes
             if ahead:
                 predicted = max(predicted, window_peak + extra)
         planned.append(PrefetchGroup(group, (anchor if ahead else use).name, ahead))
-    return PrefetchPlan(planned, predicted, guided)
+    return PrefetchPlan(planned, predicted, guided, frozenset(kept))
 
 
 def apply_prefetch(gm: GraphModule, graph_id: int, plan: PrefetchPlan) -> None:
