@@ -35,6 +35,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import deepcompile  # noqa: E402,F401  (registers torch.ops.dc)
 from deepcompile import runtime  # noqa: E402
+from dist_setup import setup  # noqa: E402
 
 ops = torch.ops.dc
 GRAPH = 1
@@ -107,14 +108,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--markdown", metavar="PATH")
     args = p.parse_args()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device, _, _ = setup()
     default = "16,64,256,1024" if device.type == "cuda" else "1,4"
     sizes = [float(s) for s in (args.sizes_mib or default).split(",")]
     results = measure(sizes, args.iters, device)

@@ -79,6 +79,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import deepcompile  # noqa: E402
+from dist_setup import setup  # noqa: E402
 
 GIB = 1024**3
 
@@ -552,19 +553,6 @@ def append_markdown(path: str, env: Dict[str, str], rows: List[Row]) -> None:
 
 
 # ------------------------------------------------------------------------------------- main
-
-
-def setup() -> tuple:
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device, dist.get_rank(), dist.get_world_size()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
