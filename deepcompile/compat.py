@@ -58,7 +58,7 @@ def protect_runtime_buffers_in_inductor() -> None:
                 try:
                     out.append(leaf.get_name())
                 except (AttributeError, NotImplementedError):
-                    pass
+                    pass  # nameless IR (constants, views of inputs): no buffer to protect
         return out
 
     def lower(op, protect_inputs: bool, protect_outputs: bool):

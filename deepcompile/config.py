@@ -41,6 +41,8 @@ import math
 import os
 from typing import Any, Callable, Dict, Mapping, Optional
 
+from deepcompile.scheduling.schedule import PASS_NAMES
+
 __all__ = ["Config", "ZeroConfig", "CompileConfig", "Bf16Config", "Fp16Config"]
 
 # A validator takes the value and its full dotted key, returns the normalized value, and raises
@@ -131,9 +133,6 @@ def _stage(value: Any, key: str) -> int:
     return value
 
 
-_SCHEDULE_PASSES = ("prefetch", "selective_gather")
-
-
 def _schedule(value: Any, key: str):
     """A list of {"step": int >= 0, "passes": [names]}; normalized to a tuple of dicts."""
     if value is None:
@@ -155,9 +154,9 @@ def _schedule(value: Any, key: str):
         passes = entry["passes"]
         if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
             raise ValueError(f"{where}.passes must be a list of pass names, got {_show(passes)}")
-        unknown = [p for p in passes if p not in _SCHEDULE_PASSES]
+        unknown = [p for p in passes if p not in PASS_NAMES]
         if unknown:
-            raise ValueError(f"{where}.passes: unknown pass {unknown[0]!r}; accepted: {', '.join(_SCHEDULE_PASSES)}")
+            raise ValueError(f"{where}.passes: unknown pass {unknown[0]!r}; accepted: {', '.join(PASS_NAMES)}")
         entries.append({"step": step, "passes": tuple(dict.fromkeys(passes))})
     return tuple(entries)
 

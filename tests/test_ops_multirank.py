@@ -601,16 +601,22 @@ def test_release_counts_users_and_frees_storage(dist_world_size):
 # ----------------------------------------------------------------------------------------------
 
 
+def reduce_and_check(ctx, params, step, what, release_buckets=True):
+    """One update-step backward through reduce_grad + end_backward; every target must equal
+    this rank's slice of the averaged gradient."""
+    runtime.start_backward(True)
+    refs = reduce_step(ctx, params, GRAPH, step=step, release_buckets=release_buckets)
+    for i, p in params.items():
+        check_target(p, p.expected(refs[i]), what)
+
+
 def _body_reduce_reference(ctx, stage):
     """Each rank's target after reduce_grad + end_backward equals the eager reference: this
     rank's slice of all_reduce(grad) / world."""
     ctx.init_runtime(CONFIG)
     params = register_params(ctx, stage, FP32_SPECS)
     runtime.register_graph(GRAPH, list(params), stage)
-    runtime.start_backward(True)
-    refs = reduce_step(ctx, params, GRAPH, step=1)
-    for i, p in params.items():
-        check_target(p, p.expected(refs[i]), f"stage {stage}")
+    reduce_and_check(ctx, params, 1, f"stage {stage}")
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -625,10 +631,7 @@ def _body_reduce_tiny_bucket_mixed(ctx, stage):
     params = register_params(ctx, stage, MIXED_SPECS)
     runtime.register_graph(GRAPH, list(params), stage)
 
-    runtime.start_backward(True)
-    refs = reduce_step(ctx, params, GRAPH, step=1, release_buckets=False)
-    for i, p in params.items():
-        check_target(p, p.expected(refs[i]), f"stage {stage} step 1")
+    reduce_and_check(ctx, params, 1, f"stage {stage} step 1", release_buckets=False)
     # Buckets were kept (release_reduce_buckets=False) and grew past the configured 8 elements.
     biggest = max(p.numel for p in params.values())
     assert runtime.reduce_bucket_numel() >= biggest, (
@@ -636,10 +639,7 @@ def _body_reduce_tiny_bucket_mixed(ctx, stage):
     )
 
     # The next update step starts a new window: targets hold only its gradients.
-    runtime.start_backward(True)
-    refs = reduce_step(ctx, params, GRAPH, step=2, release_buckets=True)
-    for i, p in params.items():
-        check_target(p, p.expected(refs[i]), f"stage {stage} step 2")
+    reduce_and_check(ctx, params, 2, f"stage {stage} step 2")
 
 
 @pytest.mark.parametrize("stage", STAGES)

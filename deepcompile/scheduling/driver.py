@@ -52,7 +52,6 @@ class ScheduleDriver:
         self.schedule = PassSchedule.from_config(cfg)
         self.applied: ScheduleEntry = PLAIN
         self.max_group_numel = cfg.zero_optimization.stage3_prefetch_bucket_size
-        self.persistent_threshold_ids: Set[int] = set()
         self.chosen_persistent: List[int] = []
         self.comm: Optional[CommModel] = None
         self._budget: Optional[int] = None
@@ -60,7 +59,6 @@ class ScheduleDriver:
         self.profiles: Dict[Tuple, GraphProfile] = {}
         self.graphs: Dict[Tuple, GraphModule] = {}
         self.gathers: Dict[Tuple, List[planner.Gather]] = {}
-        self.plans: Dict[Tuple, planner.PrefetchPlan] = {}
         self.mode: Optional[str] = None  # None | "plan" | "verify": what the current micro-step profiles
         self._profiled_now: Set[Tuple] = set()
         self._verify_pending = False
@@ -81,7 +79,7 @@ class ScheduleDriver:
             if half is not None:
                 half.detach()
         self._halves = []
-        self.graphs, self.gathers, self.profiles, self.plans = {}, {}, {}, {}
+        self.graphs, self.gathers, self.profiles = {}, {}, {}
         self.report.verify_profiles = {}
 
     # ---- what the backend asks --------------------------------------------------------------
@@ -94,12 +92,10 @@ class ScheduleDriver:
         if "prefetch" not in self.applied.passes:
             return None
         profile = self.profiles.get(signature)
-        plan = planner.plan_prefetch(
+        return planner.plan_prefetch(
             gm, self.max_group_numel, resident=self._persistent_ids(), profile=profile,
             comm=self.comm, budget_bytes=self.budget_bytes() if profile is not None else None,
         )
-        self.plans[signature] = plan
-        return plan
 
     def note_graph(self, signature: Tuple, gm: GraphModule) -> None:
         """Remember a compiled graph (after the ZeRO-3 pass, before prefetch) for planning."""
@@ -197,7 +193,6 @@ class ScheduleDriver:
             for ds_id in persistent_plan.ids:
                 runtime.set_persistent(ds_id, True)
             self.chosen_persistent = persistent_plan.ids
-        self.plans = {}
         self._verify_pending = True
         self._fresh_profile = False
         self.report.planned(entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,

@@ -73,9 +73,6 @@ class PassSchedule:
     def next_after(self, step: int) -> Optional[ScheduleEntry]:
         return next((e for e in self.entries if e.step > step), None)
 
-    def describe(self) -> str:
-        return "; ".join(e.describe() for e in self.entries) or "plain"
-
 
 def needs_profile(entry: ScheduleEntry) -> bool:
     """Every optional pass plans from a profile of the graphs it changes."""
