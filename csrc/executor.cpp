@@ -24,11 +24,11 @@ size_t GradReducer::pendingTasks() const {
 
 void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   Lanes& lanes = rt_.lanes();
-  at::Tensor grad = grad_in.detach();
-  if (param.expected_grad_dtype.has_value() && grad.scalar_type() != *param.expected_grad_dtype) {
-    grad = grad.to(*param.expected_grad_dtype);
-  }
-  const at::ScalarType dtype = grad.scalar_type();
+  const at::Tensor grad = grad_in.detach();
+  // Reduced in the dtype the target expects (e.g. bf16 gradients into fp32 partitions). The cast
+  // happens in the copy into the bucket slot below, on the copy lane: no full-size converted
+  // temporary on the compute stream (for an LM head that is hundreds of MB at the backward peak).
+  const at::ScalarType dtype = param.expected_grad_dtype.value_or(grad.scalar_type());
   // ZeRO-3 slots are padded to world * ppr and zero-filled, so the reduce-scatter never reads
   // past the gradient (the padding tail of the last rank's partition stays exactly zero).
   const int64_t slot_numel = param.partitioned ? param.paddedNumel() : param.numel;
