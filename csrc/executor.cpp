@@ -144,8 +144,10 @@ void GradReducer::flushAll() {
 void GradReducer::releaseBuckets() {
   TORCH_CHECK(pendingTasks() == 0, "deepcompile: cannot release reduce buckets with ", pendingTasks(),
               " reductions pending");
-  rt_.lanes().synchronize(Lane::ReduceScatter);
-  rt_.lanes().synchronize(Lane::Copy);
+  // No host wait: the buffers come from the reduce lane's pool, so the allocator hands their
+  // blocks only to later reduce-lane allocations, which run after the queued reductions; every
+  // copy-lane write into them was ordered before those reductions (flush waits for the copies);
+  // and a fresh buffer's first writer waits for the reduce lane (enqueue).
   buckets_.clear();
 }
 

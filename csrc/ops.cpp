@@ -74,8 +74,10 @@ void end_backward(at::TensorList deps, int64_t graph_id, bool release_reduce_buc
   if (rt.profiling) return;
   // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
   rt.reducer().flushAll();
-  // The optimizer reads the targets right after backward: wait for the reduce lane.
-  rt.lanes().synchronize(Lane::ReduceScatter);
+  // The optimizer reads the targets right after backward, on the compute stream: that stream
+  // waits for the reduce lane on the device. The host does not block (DeepSpeed's flush does),
+  // so it can queue the optimizer step while the last reductions run.
+  rt.lanes().record(Lane::ReduceScatter)->blockStream(rt.lanes().computeStream());
   ex.endBackward(rt.updateStep());
   if (release_reduce_buckets) rt.reducer().releaseBuckets();
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call that does everything a session needs, within the 10-minute limit of a call:
-# build, the GPU tests (pytest args from $GPU_TESTS), the benchmark rows ($BENCH_METHODS), and the
+# build, the GPU tests (pytest args from $GPU_TESTS, "none" to skip; DC_TEST_WORLD_SIZES picks the
+# world sizes), the benchmark rows ($BENCH_METHODS on $BENCH_NPROC GPUs, default 2), and the
 # compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
 # a part that runs long costs only its own results.
 set -uo pipefail
@@ -20,12 +21,14 @@ elapsed() { echo $(( $(date +%s) - start )); }
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "built at $(elapsed) s"
 
-DC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -rs ${GPU_TESTS:-tests} \
-  --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$? at $(elapsed) s"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest.log" | sed "s/ *\[ *[0-9]*%\]//" | tail -40
+if [ "${GPU_TESTS:-tests}" != none ]; then
+  DC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -rs ${GPU_TESTS:-tests} \
+    --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? at $(elapsed) s"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest.log" | sed "s/ *\[ *[0-9]*%\]//" | tail -40
+fi
 
 if [ -n "${BENCH_METHODS:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-240}" torchrun --master-port 29613 --nproc-per-node 2 bench/train_bench.py \
+  timeout "${BENCH_TIMEOUT:-240}" torchrun --master-port 29613 --nproc-per-node "${BENCH_NPROC:-2}" bench/train_bench.py \
     --methods "$BENCH_METHODS" --warmup 4 --steps 8 ${BENCH_ARGS:-} --markdown "$OUT/RESULTS.md" > "$OUT/bench.log" 2>&1
   echo "bench rc=$? at $(elapsed) s"; grep -E "^(method|---|deepcompile|FSDP2|DDP)" "$OUT/bench.log" | tail -12
 fi

@@ -5,7 +5,8 @@
   install.
 * Registers the ``gpu`` marker: tests that need CUDA; they run only with ``DC_TEST_DEVICE=cuda``
   on a machine with GPUs and are skipped (with the reason) otherwise.
-* ``dist_world_size``: module-scoped world size parameter (2 and 3 ranks). Being module-scoped, it
+* ``dist_world_size``: module-scoped world size parameter (2 and 3 ranks, or the sizes listed in
+  ``DC_TEST_WORLD_SIZES``, e.g. ``4`` on a 4-GPU machine). Being module-scoped, it
   makes pytest run all tests of one world size together, so one pool of rank processes serves
   them (see ``multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` sizes above the GPU count skip.
 """
@@ -25,7 +26,7 @@ import pytest  # noqa: E402
 
 import multiproc  # noqa: E402
 
-WORLD_SIZES = (2, 3)
+WORLD_SIZES = multiproc.world_sizes(default=(2, 3))
 
 
 def pytest_configure(config):

@@ -61,6 +61,27 @@ def test_device_type() -> str:
     return dev
 
 
+def world_sizes(default: Sequence[int] = (2, 3)) -> Tuple[int, ...]:
+    """World sizes of the suites parametrized over it: ``DC_TEST_WORLD_SIZES`` (comma-separated,
+    e.g. ``4`` or ``2,4`` on a 4-GPU machine) when set, else ``default``."""
+    raw = os.environ.get("DC_TEST_WORLD_SIZES", "").strip()
+    if not raw:
+        return tuple(default)
+    try:
+        sizes = tuple(int(part) for part in raw.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 2 for n in sizes):
+        raise ValueError(f"DC_TEST_WORLD_SIZES must list world sizes >= 2, e.g. '2,4'; got {raw!r}")
+    return sizes
+
+
+def single_world_size() -> int:
+    """World size of the suites that run at one size (GPU memory lifetimes, stream stress): the
+    largest of ``DC_TEST_WORLD_SIZES`` when set, else 2."""
+    return max(world_sizes(default=(2,)))
+
+
 def max_world_size(device_type: Optional[str] = None) -> Optional[int]:
     """Largest world size the device can run (None: unlimited, CPU)."""
     device_type = device_type or test_device_type()

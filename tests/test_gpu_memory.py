@@ -40,9 +40,9 @@ import torch
 import torch.nn as nn
 
 import multiproc
-from multiproc import run_distributed
+from multiproc import run_distributed, single_world_size
 
-WORLD = 2
+WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
 KiB = 1024
 MiB = 1024 * KiB
 

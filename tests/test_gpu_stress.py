@@ -48,11 +48,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import multiproc
-from multiproc import run_distributed
+from multiproc import run_distributed, single_world_size
 from parity_cases import RunResult, assert_parity, make_optimizer
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
-WORLD = 2
+WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
 
 # width: model width; ffn: hidden width of each block's MLP; depth: blocks; batch: rows per rank.
 GPU_SIZES = dict(width=1024, ffn=2048, depth=4, batch=64)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import parity_extra  # noqa: F401  (registers the extra models)
-from multiproc import run_distributed
+from multiproc import run_distributed, single_world_size
 from parity_cases import train_engine, train_reference, assert_parity
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
-WORLD = 2
+WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
 
 
 def config(stage, **extra):

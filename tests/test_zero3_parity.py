@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multiproc import run_distributed
+from multiproc import run_distributed, single_world_size
 from parity_cases import assert_parity, train_engine, train_reference
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # Inductor fuses and reorders float sums differently from the eager single-process reference.
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)
-WORLD = 2
+WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
 
 
 def zero3_config(**overrides):

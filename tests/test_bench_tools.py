@@ -1,0 +1,54 @@
+"""The offline analysis helpers of bench/: interval arithmetic of the step trace and the
+allocator-history replay of memory_peak.py (their numbers go into bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import memory_peak  # noqa: E402
+import step_trace  # noqa: E402
+
+
+def _value(lines, prefix):
+    line = next(line for line in lines if line.startswith(prefix))
+    return float(line.split(":")[1].split()[0])
+
+
+def test_overlap_splits_exposed_communication_from_hidden():
+    # compute [0, 10) and [30, 40) us; NCCL [5, 20): 5 us hidden under compute, 10 us exposed;
+    # nothing runs in [20, 30) and [40, 50).
+    kernels = [("gemm", 0.0, 10.0), ("ncclAllGather", 5.0, 20.0), ("gemm", 30.0, 40.0), ("add", 32.0, 35.0)]
+    lines = step_trace.overlap_lines([(n, s * 1000, e * 1000) for n, s, e in kernels], wall_ms=50.0, steps=1)
+    assert _value(lines, "compute kernels busy") == pytest.approx(20.0)
+    assert _value(lines, "nccl kernels busy") == pytest.approx(15.0)
+    assert _value(lines, "nccl with no compute running") == pytest.approx(10.0)
+    assert _value(lines, "no kernel running at all") == pytest.approx(20.0)
+
+
+def test_memory_peak_replays_allocations_and_counts_the_baseline():
+    frames_kernel = [{"filename": "/site/torch/_ops.py", "line": 1, "name": "__call__"},
+                     {"filename": "/tmp/torchinductor/ab.py", "line": 9, "name": "call"}]
+    snapshot = {
+        # At the dump: 100 bytes from before the trace and the 50-byte allocation still alive.
+        "segments": [{"device": 0, "blocks": [{"size": 100, "state": "active_allocated"},
+                                              {"size": 50, "state": "active_allocated"},
+                                              {"size": 70, "state": "inactive"}]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": 1, "size": 30, "frames": frames_kernel},
+            {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+            {"action": "free_requested", "addr": 1, "size": 30},
+            {"action": "free_completed", "addr": 1, "size": 30},
+            {"action": "free_completed", "addr": 9, "size": 20},  # allocated before the trace
+        ]],
+    }
+    baseline, top, live = memory_peak.peak(snapshot)
+    assert baseline == 120  # 150 alive at the end, 30 of them net from the trace
+    assert top == 200
+    assert sorted(live) == [1, 2]
+    assert memory_peak.where(frames_kernel) == "ab.py:9 call"
+    assert memory_peak.where([]) == "(no stack)"
