@@ -110,6 +110,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
   m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });
+  m.def("grad_target", [](int64_t id) -> std::optional<at::Tensor> {
+    const DSParam& p = currentRuntime().registry().get(id);
+    if (!p.grad_target.defined()) return std::nullopt;
+    return p.grad_target;
+  });
   m.def("holds_grad_target", [](int64_t id) {
     const DSParam& p = currentRuntime().registry().get(id);
     return p.grad_target.defined() || p.local_grad_acc.defined();

@@ -172,6 +172,15 @@ void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* o
   DSParam& p = param(id, op);
   checkGradient(p, grad, op);
   const int64_t local = p.localGradNumel(rt_.rank());
+  if (!p.grad_target.defined() && p.partitioned && p.expected_grad_dtype.has_value()) {
+    // ZeRO-3 trainable parameter without a bound target: its gradient partition is allocated
+    // now, at its first reduction of the window, on the compute stream (the optimizer's), and
+    // dropped by unbind_grad_targets after the step. Allocating here rather than for the whole
+    // step keeps gradient partitions out of the activation peak at the start of the backward.
+    // No reduction reached this parameter in the window yet, so the first one overwrites.
+    p.grad_target = at::empty({p.ppr}, at::TensorOptions().dtype(*p.expected_grad_dtype).device(rt_.device()));
+    p.has_acc_grad = false;
+  }
   TORCH_CHECK(local == 0 || p.grad_target.defined(), "dc.", op, ": ds id ", id,
               " has no gradient target bound (bind_grad_target) on rank ", rt_.rank());
   rt_.reducer().enqueue(p, grad);

@@ -334,5 +334,11 @@ def was_reduced(ds_id: int) -> bool:
     return _C.was_reduced(int(ds_id))
 
 
+def grad_target(ds_id: int) -> Optional[torch.Tensor]:
+    """The tensor parameter ``ds_id``'s reduced gradient goes to (None: not bound; a ZeRO-3
+    trainable parameter gets one at its first reduction of each accumulation window)."""
+    return _C.grad_target(int(ds_id))
+
+
 def holds_grad_target(ds_id: int) -> bool:
     return _C.holds_grad_target(int(ds_id))

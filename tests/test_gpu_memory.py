@@ -366,9 +366,11 @@ def _peak_body(ctx, sizes: dict, backend: str, warmup: int, check_alloc: bool):
         blocks = mem.blocks()
         shards = [sp.shard for sp in sharding.params]
         masters = [sp.master for sp in sharding.params if sp.master is not None]
-        grads = [sharding.optimizer.flat_grads]
         adam = optimizer_state_tensors(optimizer)
-        model_state = mem.bytes_of(shards + masters + grads + adam, blocks)
+        # Gradient partitions are step-local (allocated during the backward, dropped after the
+        # optimizer step): not part of the state at the start of a step.
+        assert not sharding.optimizer.grads(), "gradient partitions outlived the optimizer step"
+        model_state = mem.bytes_of(shards + masters + adam, blocks)
         # Also resident: the full-shape NaN placeholders (one element each) and the batch.
         others = mem.bytes_of([sp.param for sp in sharding.params] + [x, y], blocks)
         masters_bytes = mem.bytes_of(masters, blocks)
@@ -399,6 +401,7 @@ def _peak_body(ctx, sizes: dict, backend: str, warmup: int, check_alloc: bool):
     if mem is not None:
         torch.cuda.synchronize(ctx.device)
         peak_fwd_bwd = torch.cuda.max_memory_allocated(ctx.device)
+        grads_bytes = mem.bytes_of(sharding.optimizer.grads(), mem.blocks())
         before_step = mem.settle()
         torch.cuda.reset_peak_memory_stats(ctx.device)
     engine.step()
@@ -410,21 +413,27 @@ def _peak_body(ctx, sizes: dict, backend: str, warmup: int, check_alloc: bool):
     assert runtime.reduce_bucket_numel() == 0
     assert all(runtime.gathered_buffer(i) is None for i in ids)
     if mem is not None:
-        bound_fwd_bwd = model_state + others + gathered_ws + activation_allowance + buckets + PEAK_FIXED_SLACK
+        assert grads_bytes == masters_bytes, (
+            f"rank {ctx.rank}: {grads_bytes} bytes of gradient partitions after the backward, expected one per "
+            f"master shard ({masters_bytes})")
+        bound_fwd_bwd = (model_state + others + gathered_ws + activation_allowance + buckets + grads_bytes
+                         + PEAK_FIXED_SLACK)
         terms = (f"model state {model_state} + placeholders/batch {others} + gathered working set {gathered_ws} "
                  f"(3 x {layer_bytes}) + activations {activation_allowance} (measured {activations}) + reduce "
-                 f"buckets {buckets} + slack {PEAK_FIXED_SLACK}")
+                 f"buckets {buckets} + gradient partitions {grads_bytes} + slack {PEAK_FIXED_SLACK}")
         assert peak_fwd_bwd <= bound_fwd_bwd, (
             f"rank {ctx.rank}: forward+backward peak {peak_fwd_bwd} bytes exceeds the bound {bound_fwd_bwd} = {terms}; "
             f"over by {peak_fwd_bwd - bound_fwd_bwd}")
-        assert abs(before_step - start) <= RESIDENT_SLACK, (
-            f"rank {ctx.rank}: {before_step} bytes allocated after the backward, {start} before the forward")
+        assert abs(before_step - (start + grads_bytes)) <= RESIDENT_SLACK, (
+            f"rank {ctx.rank}: {before_step} bytes allocated after the backward, {start} before the forward "
+            f"+ {grads_bytes} of gradient partitions")
         # The optimizer step: AdamW (foreach) holds one temporary the size of the masters (sqrt of
         # the second moments); allow two.
-        bound_step = model_state + others + 2 * masters_bytes + PEAK_FIXED_SLACK
+        bound_step = model_state + others + grads_bytes + 2 * masters_bytes + PEAK_FIXED_SLACK
         assert peak_step <= bound_step, (
             f"rank {ctx.rank}: optimizer-step peak {peak_step} bytes exceeds model state {model_state} + "
-            f"placeholders/batch {others} + 2 x masters {masters_bytes} + slack {PEAK_FIXED_SLACK} = {bound_step}")
+            f"placeholders/batch {others} + gradients {grads_bytes} + 2 x masters {masters_bytes} + slack "
+            f"{PEAK_FIXED_SLACK} = {bound_step}")
         # Keep the bound meaningful: gathering the whole model at once must exceed it.
         full_model = sum(sp.ppr * ctx.world_size * itemsize for sp in sharding.params)
         assert full_model > gathered_ws + 2 * layer_bytes, "model too shallow for the peak bound to mean anything"
@@ -437,12 +446,14 @@ def test_zero3_step_peak_is_bounded():
     fp32, 8 x Linear(1024, 1024), 256 rows per rank): after 3 warm-up steps, one step's peak
     ``max_memory_allocated()``:
 
-    forward + backward  <=  M + P + 3 * L + (A + 2 * b * w * 4) + 2 * max(R, N) * 4 + 1 MiB
-    optimizer step      <=  M + P + 2 * S + 1 MiB
+    forward + backward  <=  M + P + 3 * L + (A + 2 * b * w * 4) + 2 * max(R, N) * 4 + G + 1 MiB
+    optimizer step      <=  M + P + G + 2 * S + 1 MiB
 
-    * M, model state: this rank's parameter shards + fp32 master shards + the flat fp32 gradient
-      partition + Adam's two moments, as allocated (block sizes from the allocator snapshot);
-      checked first against ``memory_allocated()`` at the start of the step (within 256 KiB);
+    * M, model state: this rank's parameter shards + fp32 master shards + Adam's two moments, as
+      allocated (block sizes from the allocator snapshot); checked first against
+      ``memory_allocated()`` at the start of the step (within 256 KiB);
+    * G: the fp32 gradient partitions, allocated during the backward (one per master shard, checked)
+      and dropped after the optimizer step (checked: none exist at the start of the step);
     * P: the NaN placeholders (one element per parameter) and the batch;
     * L: one layer's parameters gathered (padded to the world size). Prefetch launches group k
       while group k - 1 computes, and a group is released after its last use; assumption:

@@ -384,15 +384,18 @@ def _destroy_releases_state_body(ctx, warmup_steps):
             loss = engine(x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n])
             engine.backward(loss)
             engine.step()
+        grads = engine.sharding.optimizer.grads()
+        assert not grads, "gradient partitions outlived the optimizer step"
+        adam = [t for state in engine.sharding.optimizer.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         engine.destroy()
-        return weakref.ref(engine), weakref.ref(engine.sharding.optimizer.flat_grads), loss
+        return weakref.ref(engine), weakref.ref(max(adam, key=lambda t: t.numel())), loss
 
     engine_ref, grads_ref, last_loss = train_and_destroy()
     gc.collect()
     # Compiled code outlives the engine (Dynamo's cache, the last loss's autograd graph), but must
     # not keep the engine's tensors alive: a benchmark or a job building a second engine would
     # otherwise carry the first one's optimizer state.
-    assert grads_ref() is None, "the gradient partition survived engine.destroy()"
+    assert grads_ref() is None, "the optimizer state survived engine.destroy()"
     assert engine_ref() is None, "the engine survived engine.destroy()"
     del last_loss
     torch._dynamo.reset()
@@ -401,3 +404,43 @@ def _destroy_releases_state_body(ctx, warmup_steps):
 @pytest.mark.parametrize("warmup_steps", [1, 5])  # with and without a schedule switch
 def test_destroy_releases_the_engine_state(warmup_steps):
     run_distributed(_destroy_releases_state_body, world_size=2, args=(warmup_steps,))
+
+
+def test_compiled_halves_stay_boxed_through_torch_wrappers():
+    """aot_autograd calls a compiled half with one argument list only when the callable it holds
+    has ``_boxed_call``; torch wraps our halves (``torch._dynamo.disable`` uses functools.wraps),
+    so the flag must travel in the instance ``__dict__``, and nothing else may (the driver would
+    keep the engine alive through the wrapper)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from deepcompile.compiler.backend import _ProfiledCallable
+
+    class Driver:
+        def track(self, obj):
+            pass
+
+        def wants_profile(self, signature):
+            return False
+
+    seen = []
+
+    def compiled(args):
+        seen.append(type(args))
+        args.clear()  # what Inductor's code does, so that inputs can be freed early
+
+    driver = Driver()
+    half = _ProfiledCallable(compiled, None, ("sig",), None, driver)
+    wrapped = torch._dynamo.disable(half, reason="test")
+    assert getattr(wrapped, "_boxed_call", False) is True
+    args = [torch.zeros(1), torch.ones(1)]
+    wrapped(args)
+    assert seen == [list] and args == [], "the argument list was not handed through (and cleared)"
+    assert set(vars(half)) == {"_boxed_call"} and set(vars(wrapped)) >= {"_boxed_call"}
+    ref = weakref.ref(driver)
+    half.detach()
+    del driver
+    gc.collect()
+    assert ref() is None, "a wrapper kept the driver alive"

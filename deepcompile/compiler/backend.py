@@ -142,16 +142,21 @@ def _copy_graph_module(gm: GraphModule) -> GraphModule:
 class _ProfiledCallable:
     """A compiled graph half that the schedule driver can run through the profiler instead.
 
-    Slots, no ``__dict__``: torch wraps compiled halves with ``functools.wraps``, which copies the
-    wrapped object's ``__dict__`` into the wrapper; with a dict, the driver (and through it the
-    engine's whole state) would stay referenced by those wrappers after ``engine.destroy()``.
+    torch wraps compiled halves with ``functools.wraps``, which copies the wrapped object's
+    ``__dict__`` (not its class attributes) into the wrapper. So the state lives in slots, where a
+    copy cannot reach it: otherwise the driver (and through it the engine's whole state) would stay
+    referenced by those wrappers after ``engine.destroy()``. The instance ``__dict__`` holds only
+    ``_boxed_call``, which the wrappers must inherit: it tells aot_autograd to pass the arguments as
+    one list, which Inductor's code clears and then frees each saved activation after its last use
+    in the backward. Without it the arguments are unpacked and every activation saved by the
+    forward stays alive until the whole backward graph has run (on a 1B Llama, GiBs of peak).
     ``detach`` drops every reference once the engine is gone.
     """
 
-    __slots__ = ("compiled", "gm", "signature", "record", "driver", "__weakref__")
-    _boxed_call = True  # aot_autograd may pass the arguments as one list, which we then clear
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "__weakref__", "__dict__")
 
     def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver):
+        self._boxed_call = True
         self.compiled = compiled
         self.gm = gm
         self.signature = signature

@@ -1,4 +1,4 @@
-"""Sharded optimizer state: fp32 master shards, flat gradient partitions, clipping and the step.
+"""Sharded optimizer state: fp32 master shards, gradient partitions, clipping and the step.
 
 The user's optimizer is kept (its class, param groups and hyper-parameters) and re-targeted at
 the fp32 master shards of this rank, so its state (e.g. Adam moments) is partitioned too.
@@ -7,6 +7,12 @@ A master shard shares its storage with the shard registered in the runtime (the 
 so the optimizer's in-place update is all a step has to do: there is no copy back into a
 parameter-dtype shard. The next gather reads the updated values and rounds them to the
 parameter's dtype, exactly as a copy into a bf16 shard did.
+
+Gradient partitions are step-local: the runtime allocates a parameter's fp32 partition at its
+first reduction in an accumulation window (during the backward, as its layer finishes) and the
+optimizer drops them all after the step, as ``zero_grad(set_to_none=True)`` does. A persistent
+flat buffer would sit in memory through the forward and the start of the backward, where the
+activations peak (1.8 GiB per GPU for a 1B model on 2 ranks).
 """
 
 from __future__ import annotations
@@ -31,17 +37,11 @@ class ShardedOptimizer:
         self.group = group
         by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         trainable = [sp for sp in params if sp.trainable]
-        device = params[0].shard.device if params else torch.device("cpu")
-        # One flat fp32 buffer for all gradient partitions: zeroing and norms are single kernels.
-        self.flat_grads = torch.zeros(sum(sp.ppr for sp in trainable), dtype=torch.float32, device=device)
-        offset = 0
         for sp in trainable:
-            sp.grad_partition = self.flat_grads[offset : offset + sp.ppr]
             if sp.shard.dtype != torch.float32:
                 raise ValueError(f"ZeRO-3: the shard of trainable parameter {sp.name} must be fp32, got {sp.shard.dtype}")
             # Same storage as the registered shard: the optimizer updates the gather source itself.
             sp.master = torch.nn.Parameter(sp.shard, requires_grad=True)
-            offset += sp.ppr
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
         for group_dict in optimizer.param_groups:
@@ -57,18 +57,32 @@ class ShardedOptimizer:
             group_dict["params"] = masters
         self.trainable = trainable
 
+    def grads(self) -> List[torch.Tensor]:
+        """This window's gradient partitions (parameters that got no gradient have none)."""
+        from deepcompile import runtime
+
+        found = (runtime.grad_target(sp.ds_id) for sp in self.trainable)
+        return [g for g in found if g is not None]
+
     def zero_grad(self) -> None:
-        self.flat_grads.zero_()
+        """Drop the gradient partitions; the next window allocates fresh ones."""
+        from deepcompile import runtime
+
+        runtime.unbind_grad_targets([sp.ds_id for sp in self.trainable])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global L2 norm over all ranks' partitions; returns the norm."""
-        local_sq = self.flat_grads.double().pow(2).sum()
+        grads = self.grads()
+        device = self.params[0].shard.device if self.params else torch.device("cpu")
+        local_sq = torch.zeros((), dtype=torch.float64, device=device)
+        if grads:
+            local_sq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         dist.all_reduce(local_sq, group=self.group)
         norm = local_sq.sqrt().float()
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1:
-                self.flat_grads.mul_(coef)
+                torch._foreach_mul_(grads, coef)
         return norm
 
     def step(self) -> None:
@@ -76,7 +90,7 @@ class ShardedOptimizer:
 
         for sp in self.trainable:
             # As in torch: a parameter that got no gradient in this window is not stepped.
-            sp.master.grad = sp.grad_partition if runtime.was_reduced(sp.ds_id) else None
+            sp.master.grad = runtime.grad_target(sp.ds_id) if runtime.was_reduced(sp.ds_id) else None
         self.optimizer.step()
         for sp in self.trainable:
             sp.master.grad = None

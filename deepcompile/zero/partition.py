@@ -43,7 +43,6 @@ class ShardedParam:
     shard: torch.Tensor
     persistent: bool
     gather_dtype: torch.dtype  # the parameter's dtype: what gathers return
-    grad_partition: Optional[torch.Tensor] = None  # (ppr,) fp32 view into the flat gradient buffer
     # (ppr,) fp32 master weights (trainable params only): a Parameter over the storage of `shard`.
     master: Optional[torch.Tensor] = None
 

@@ -27,7 +27,7 @@ class Zero3Sharding:
             [sp.ds_id for sp in self.params],
             [list(sp.shape) for sp in self.params],
             [sp.shard for sp in self.params],
-            [sp.grad_partition for sp in self.params],
+            [None] * len(self.params),  # gradient partitions are allocated per window (optimizer.py)
             [sp.persistent for sp in self.params],
             [torch.float32 if sp.trainable else None for sp in self.params],
             gather_dtypes=[sp.gather_dtype for sp in self.params],
