@@ -71,8 +71,8 @@ def world_sizes(default: Sequence[int] = (2, 3)) -> Tuple[int, ...]:
         sizes = tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
         sizes = ()
-    if not sizes or any(n < 2 for n in sizes):
-        raise ValueError(f"DC_TEST_WORLD_SIZES must list world sizes >= 2, e.g. '2,4'; got {raw!r}")
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"DC_TEST_WORLD_SIZES must list world sizes >= 1, e.g. '2,4'; got {raw!r}")
     return sizes
 
 
