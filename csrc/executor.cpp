@@ -38,10 +38,12 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
     flush(dtype);
     bucket = &buckets_.current(dtype);
   }
-  if (slot_numel > bucket->capacity()) {
-    if (bucket->last_use) bucket->last_use->hostWait();
-    bucket->reserve(slot_numel);
-  }
+  // A slot larger than the bucket (e.g. an LM head above reduce_bucket_size) grows it. No host
+  // wait for the collective that last read the old buffer: the buffer was allocated on the
+  // reduce lane, so the allocator hands its block out again only in that lane's order (on CPU
+  // the pending collective keeps it alive), and the fresh buffer below makes the copy lane wait
+  // for the reduce lane's queued work. A host wait here stalled every backward once per step.
+  if (slot_numel > bucket->capacity()) bucket->reserve(slot_numel);
   const bool fresh_buffer = !bucket->allocated();
   at::Tensor slot = bucket->allocate(slot_numel);
   if (fresh_buffer) {
@@ -58,7 +60,9 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   if (bucket->last_use) bucket->last_use->blockStream(copy_stream);
   {
     LaneScope scope(lanes, Lane::Copy);
-    slot.narrow(0, 0, param.numel).copy_(grad.reshape({-1}));
+    // One copy straight from the gradient's layout (a transposed weight gradient included): a
+    // flattening reshape first would materialise a contiguous clone, a second full pass.
+    slot.narrow(0, 0, param.numel).view(grad.sizes()).copy_(grad);
     if (slot_numel > param.numel) slot.narrow(0, param.numel, slot_numel - param.numel).zero_();
   }
   // The graph may drop the gradient right after this op: keep its block from being reused

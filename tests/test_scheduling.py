@@ -21,7 +21,7 @@ from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile, NodeProfile
 from deepcompile.scheduling.planner import apply_prefetch, graph_gathers, plan_persistent, plan_prefetch
 from deepcompile.scheduling.schedule import PassSchedule, ScheduleEntry
-from multiproc import run_distributed
+from multiproc import require_world_size, run_distributed, single_world_size
 from parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference
 
 dc = torch.ops.dc
@@ -252,7 +252,7 @@ def _parity_with_passes_body(ctx, name, backend, gas, bf16):
     ],
 )
 def test_parity_with_prefetch_and_selective_gather(name, backend, gas, bf16):
-    run_distributed(_parity_with_passes_body, world_size=2, args=(name, backend, gas, bf16), timeout=300)
+    run_distributed(_parity_with_passes_body, world_size=single_world_size(), args=(name, backend, gas, bf16), timeout=300)
 
 
 def _budget_body(ctx, tmpdir):
@@ -277,7 +277,7 @@ def _budget_body(ctx, tmpdir):
 
 
 def test_memory_budget_is_respected_and_the_report_is_written(tmp_path):
-    run_distributed(_budget_body, world_size=2, args=(str(tmp_path),))
+    run_distributed(_budget_body, world_size=single_world_size(), args=(str(tmp_path),))
 
 
 def _predicted_vs_measured_body(ctx):
@@ -292,7 +292,7 @@ def _predicted_vs_measured_body(ctx):
 
 
 def test_selective_gather_prediction_bounds_the_measured_peak():
-    run_distributed(_predicted_vs_measured_body, world_size=2)
+    run_distributed(_predicted_vs_measured_body, world_size=single_world_size())
 
 
 def _resume_body(ctx):
@@ -317,7 +317,7 @@ def _resume_body(ctx):
 
 
 def test_schedule_is_resume_safe():
-    run_distributed(_resume_body, world_size=2)
+    run_distributed(_resume_body, world_size=single_world_size())
 
 
 def _profile_failure_body(ctx, node_kind):
@@ -362,6 +362,7 @@ def _profile_failure_body(ctx, node_kind):
 
 @pytest.mark.parametrize("node_kind", ["forward", "backward"])
 def test_a_rank_failing_while_profiling_does_not_hang_the_others(node_kind):
+    require_world_size(2)  # one rank fails, the other must not hang
     run_distributed(_profile_failure_body, world_size=2, args=(node_kind,), timeout=120)
 
 
@@ -403,7 +404,7 @@ def _destroy_releases_state_body(ctx, warmup_steps):
 
 @pytest.mark.parametrize("warmup_steps", [1, 5])  # with and without a schedule switch
 def test_destroy_releases_the_engine_state(warmup_steps):
-    run_distributed(_destroy_releases_state_body, world_size=2, args=(warmup_steps,))
+    run_distributed(_destroy_releases_state_body, world_size=single_world_size(), args=(warmup_steps,))
 
 
 def test_compiled_halves_stay_boxed_through_torch_wrappers():

@@ -74,6 +74,46 @@ def test_backward_gradients_are_reduced_and_returned_as_none():
     assert _order(gm)[end] > max(_order(gm)[r] for r in reductions)
 
 
+class _RecordReductions(torch.fx.Interpreter):
+    """Runs a pass output with the dc ops stubbed: records what each reduce_grad receives."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.reduced = {}
+
+    def call_function(self, target, args, kwargs):
+        if target is dc.reduce_grad.default:
+            self.reduced[args[2]] = args[0]
+            return args[0].new_empty((0,))
+        if target is dc.end_backward.default:
+            return None
+        return super().call_function(target, args, kwargs)
+
+
+def test_transposed_weight_gradients_reach_reduce_grad_contiguous():
+    # A linear layer's weight gradient as AOT decomposes it: the transpose of a matrix product.
+    def bw(x, g, v):
+        return (torch.mm(x.t(), g).t(), torch.mm(x.t(), g), v.t())
+
+    x, g, v = torch.randn(6, 4), torch.randn(6, 5), torch.randn(3, 2)
+    gm = _trace(bw, x, g, v)
+    insert_reductions(gm, graph_id=2, grad_slots={0: 1, 1: 2, 2: 3})
+    reductions = {n.args[2]: n for n in gm.graph.nodes if n.target is dc.reduce_grad.default}
+    product = reductions[1].args[0]
+    assert product.target is torch.ops.aten.mm.default  # no transpose between product and reduction
+    assert product.meta["val"].is_contiguous() and tuple(product.meta["val"].shape) == (5, 4)
+    # A transpose of anything but a product is left alone (nothing to swap).
+    assert reductions[3].args[0].target is not torch.ops.aten.mm.default
+    # The replaced transpose and its product are gone; the other product stays.
+    assert sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes) == 2
+    recorder = _RecordReductions(gm)
+    recorder.run(x, g, v)
+    torch.testing.assert_close(recorder.reduced[1], (x.t() @ g).t())
+    assert recorder.reduced[1].is_contiguous()
+    torch.testing.assert_close(recorder.reduced[2], x.t() @ g)
+    torch.testing.assert_close(recorder.reduced[3], v.t())
+
+
 def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
     from deepcompile.scheduling.planner import apply_prefetch, plan_prefetch
 

@@ -21,8 +21,9 @@ class ReduceBucket {
   at::ScalarType dtype() const { return dtype_; }
   // A non-empty bucket that cannot take `numel` more elements must be flushed first.
   bool shouldFlush(int64_t numel) const { return offset_ > 0 && offset_ + numel > capacity_; }
-  // Grows the buffer so one slot of `numel` fits (contents are dropped). Callers make sure no
-  // collective still reads the old buffer.
+  // Grows the buffer so one slot of `numel` fits (contents are dropped). The old buffer is only
+  // released: its allocator stream (or, on CPU, the collective holding it) keeps it from reuse
+  // while a collective still reads it.
   void reserve(int64_t numel);
   // The next `numel` elements, as a view.
   at::Tensor allocate(int64_t numel);
