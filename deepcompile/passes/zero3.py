@@ -11,7 +11,9 @@ The release takes the last user's output, so data dependencies (not only node or
 after that use. When the only use is a cast to a narrower dtype (what autocast emits), the cast
 is fused into the gather. The backward graph additionally sends every parameter gradient to
 dc.reduce_grad and returns None in its place, then ends with dc.end_backward, which depends on
-every reduction so no compiler can hoist it above them.
+every reduction so no compiler can hoist it above them. A weight gradient that arrives as the
+transpose of a matrix product is recomputed as the product of the transposed operands, so the
+reduction reads it contiguous.
 """
 
 from __future__ import annotations
