@@ -81,12 +81,10 @@ void GradReducer::flush(at::ScalarType dtype) {
 
   Lanes& lanes = rt_.lanes();
   Communicator& comm = rt_.comm();
-  const int world = comm.size();
   const int rank = comm.rank();
   const c10::Stream reduce_stream = lanes.stream(Lane::ReduceScatter);
   for (const Task& task : tasks) task.copied->blockStream(reduce_stream);
 
-  ReduceBucket& bucket = buckets_.current(dtype);
   struct Landing {
     DSParam* param;
     at::Tensor received;  // where this rank's reduced piece arrived (undefined: in the target)
@@ -95,9 +93,8 @@ void GradReducer::flush(at::ScalarType dtype) {
   std::vector<Landing> landings;
   {
     LaneScope scope(lanes, Lane::ReduceScatter);
-    // Average by pre-dividing and summing: gloo has no AVG, and it keeps low-precision sums in
-    // range the same way on both backends.
-    bucket.used().div_(world);
+    // The collectives average (NCCL inside the collective; gloo divides first): no separate
+    // division pass over the bucket.
     comm.beginGroup(Lane::ReduceScatter);
     for (const Task& task : tasks) {
       DSParam& param = rt_.registry().get(task.id);

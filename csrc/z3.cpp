@@ -8,16 +8,21 @@ namespace {
 
 bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
 
-// What this rank contributes to a gather of `p` in `dtype`. The parameter's value is its shard
-// rounded to the gather dtype (a trainable shard is the fp32 master copy, the module may be
-// bf16), so the shard is first cast to the gather dtype and only then to another requested one:
-// every dtype sees the same rounding as the module parameter. In the usual case (`dtype` is the
-// gather dtype) this is a single cast, or none when the shard is stored in that dtype.
-at::Tensor sendBuffer(const DSParam& p, at::ScalarType dtype) {
-  at::Tensor send = p.data.reshape({-1});
-  if (send.scalar_type() != p.gather_dtype) send = send.to(p.gather_dtype);
-  if (send.scalar_type() != dtype) send = send.to(dtype);
-  return send;
+// Writes what this rank contributes to a gather of `p` in `dtype` straight into its own chunk of
+// `buffer` and returns that chunk: the gather then runs in place, with no staging temporary per
+// parameter (one allocation and one launch less, per parameter and gather). The parameter's value
+// is its shard rounded to the gather dtype (a trainable shard is the fp32 master copy, the module
+// may be bf16), so the shard is cast to the gather dtype first and only then to another requested
+// one: every dtype sees the same rounding as the module parameter. In the usual case (`dtype` is
+// the gather dtype) the copy is the single cast.
+at::Tensor stageOwnChunk(const DSParam& p, const at::Tensor& buffer, int rank) {
+  at::Tensor shard = p.data.reshape({-1});
+  if (shard.scalar_type() != p.gather_dtype && buffer.scalar_type() != p.gather_dtype) {
+    shard = shard.to(p.gather_dtype);
+  }
+  at::Tensor own = buffer.narrow(0, static_cast<int64_t>(rank) * shard.numel(), shard.numel());
+  own.copy_(shard);
+  return own;
 }
 
 }  // namespace
@@ -30,7 +35,6 @@ void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::
   // The gather reads the shard (final once the optimizer step queued on compute is done) and may
   // overwrite a reused buffer that compute kernels still read: wait for compute first.
   lanes.waitCompute(Lane::AllGather);
-  std::vector<at::Tensor> staged;  // cast shards, alive until every gather is enqueued
   {
     LaneScope scope(lanes, Lane::AllGather);
     comm.beginGroup(Lane::AllGather);
@@ -46,16 +50,12 @@ void launchGathers(Runtime& rt, const std::vector<DSParam*>& params, const std::
         // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
         p.gathered = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
       }
-      at::Tensor send = sendBuffer(p, dtype);  // fused down-cast: gather narrow
-      staged.push_back(send);
-      comm.allGather(send, p.gathered);
+      comm.allGather(stageOwnChunk(p, p.gathered, comm.rank()), p.gathered);  // fused down-cast
       p.valid = true;
     }
   }
   CompletionPtr done = comm.endGroup();
   for (DSParam* p : params) p->gather_done = done;
-  // `staged` is dropped only now, after the group was enqueued; cast temporaries were allocated
-  // on the all-gather lane, so their blocks are reused only after the gathers read them.
 }
 
 at::Tensor gatherPrivateCopy(Runtime& rt, DSParam& p, at::ScalarType dtype) {
@@ -65,9 +65,8 @@ at::Tensor gatherPrivateCopy(Runtime& rt, DSParam& p, at::ScalarType dtype) {
   {
     LaneScope scope(lanes, Lane::AllGather);
     buffer = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
-    at::Tensor send = sendBuffer(p, dtype);
     rt.comm().beginGroup(Lane::AllGather);
-    rt.comm().allGather(send, buffer);
+    rt.comm().allGather(stageOwnChunk(p, buffer, rt.comm().rank()), buffer);
   }
   rt.comm().endGroup()->blockStream(lanes.computeStream());
   lanes.recordStream(buffer, lanes.computeStream());

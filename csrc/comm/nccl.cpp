@@ -97,14 +97,14 @@ class NcclCommunicator final : public Communicator {
     TORCH_CHECK(send.numel() == recv.numel() * size_, "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size_, " input elements, got ", send.numel());
     DC_NCCL_CHECK(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), recv.numel(), toNccl(send.scalar_type()),
-                                    ncclSum, comm_, stream_),
+                                    ncclAvg, comm_, stream_),
                   "ReduceScatter");
   }
 
   void reduce(const at::Tensor& buffer, int root) override {
     checkCall(buffer, buffer);
     DC_NCCL_CHECK(ncclReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
-                             ncclSum, root, comm_, stream_),
+                             ncclAvg, root, comm_, stream_),
                   "Reduce");
   }
 

@@ -64,6 +64,8 @@ class ProcessGroupCommunicator final : public Communicator {
                 " elements per rank needs ", send.numel() * size(), " output elements, got ", recv.numel());
     trace("allgather", send.numel());
     at::Tensor in = stage(send);
+    // An in-place gather (send is our own chunk of recv): gloo must not read and write one buffer.
+    if (in.is_alias_of(recv)) in = in.clone();
     at::Tensor out = needsStaging(recv) ? at::empty({recv.numel()}, recv.options().dtype(at::kFloat)) : recv;
     std::vector<at::Tensor> inputs{in.contiguous()};
     std::vector<std::vector<at::Tensor>> outputs{out.view({-1}).chunk(size())};
@@ -79,6 +81,7 @@ class ProcessGroupCommunicator final : public Communicator {
     // gloo has no reduce-scatter on every torch version: all-reduce a scratch copy, keep our chunk.
     at::Tensor scratch = send.to(needsStaging(send) ? at::kFloat : send.scalar_type(), /*non_blocking=*/false,
                                  /*copy=*/true);
+    divideBySize(scratch);  // gloo has no average: divide first, then sum
     std::vector<at::Tensor> tensors{scratch};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
@@ -92,6 +95,7 @@ class ProcessGroupCommunicator final : public Communicator {
     checkInGroup();
     trace("reduce", buffer.numel());
     at::Tensor staged = stage(buffer);
+    divideBySize(staged);  // gloo has no average: divide first, then sum
     std::vector<at::Tensor> tensors{staged};
     c10d::ReduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
@@ -123,6 +127,9 @@ class ProcessGroupCommunicator final : public Communicator {
  private:
   void checkInGroup() const { TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup"); }
   // A contiguous tensor gloo can communicate; the original when it already is one.
+  void divideBySize(const at::Tensor& t) const {
+    if (size() > 1) t.div_(size());
+  }
   static at::Tensor stage(const at::Tensor& t) {
     if (needsStaging(t)) return t.to(at::kFloat);
     return t.is_contiguous() ? t : t.contiguous();

@@ -12,8 +12,8 @@ using namespace deepcompile;
 
 namespace {
 
-// Every rank is assumed to hold this rank's tensors: all-gather tiles them, reductions multiply
-// by the world size. Enough to check layouts and bookkeeping without a process group.
+// Every rank is assumed to hold this rank's tensors: all-gather tiles them, reductions (averages)
+// leave them as they are. Enough to check layouts and bookkeeping without a process group.
 class MirrorCommunicator final : public Communicator {
  public:
   MirrorCommunicator(int rank, int world) : rank_(rank), world_(world) {}
@@ -27,12 +27,11 @@ class MirrorCommunicator final : public Communicator {
   }
   void reduceScatter(const at::Tensor& send, const at::Tensor& recv) override {
     ++reduce_scatters;
-    recv.copy_(send.narrow(0, rank_ * recv.numel(), recv.numel()) * world_);
+    recv.copy_(send.narrow(0, rank_ * recv.numel(), recv.numel()));  // the average of equal tensors
   }
   void reduce(const at::Tensor& buffer, int root) override {
     ++reduces;
-    roots.push_back(root);
-    buffer.mul_(world_);
+    roots.push_back(root);  // the average of equal buffers: the buffer itself
   }
   CompletionPtr endGroup() override { return readyCompletion(); }
   std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {

@@ -24,11 +24,15 @@ class Communicator {
   // Collectives are issued between beginGroup(lane) and endGroup(); endGroup returns one
   // completion for all of them. All ranks must issue the same sequence.
   virtual void beginGroup(Lane lane) = 0;
-  // recv (flat, size() * send.numel() elements) = concatenation of every rank's send.
+  // recv (flat, size() * send.numel() elements) = concatenation of every rank's send. `send` may
+  // be this rank's own chunk of `recv` (an in-place gather).
   virtual void allGather(const at::Tensor& send, const at::Tensor& recv) = 0;
-  // recv (recv.numel() elements) = sum over ranks of chunk rank() of send (size() chunks).
+  // Reductions average over ranks (what data-parallel gradients need). NCCL averages inside the
+  // collective; a backend without an average divides its inputs first, which also keeps
+  // low-precision sums in range. `send` / `buffer` may be overwritten (they are scratch).
+  // recv (recv.numel() elements) = average over ranks of chunk rank() of send (size() chunks).
   virtual void reduceScatter(const at::Tensor& send, const at::Tensor& recv) = 0;
-  // buffer on rank `root` = sum over ranks of buffer (in place; other ranks' buffers are scratch).
+  // buffer on rank `root` = average over ranks of buffer (in place; other ranks' buffers are scratch).
   virtual void reduce(const at::Tensor& buffer, int root) = 0;
   virtual CompletionPtr endGroup() = 0;
 
