@@ -97,14 +97,14 @@ class NcclCommunicator final : public Communicator {
     TORCH_CHECK(send.numel() == recv.numel() * size_, "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size_, " input elements, got ", send.numel());
     DC_NCCL_CHECK(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), recv.numel(), toNccl(send.scalar_type()),
-                                    ncclAvg, comm_, stream_),
+                                    averageOp(), comm_, stream_),
                   "ReduceScatter");
   }
 
   void reduce(const at::Tensor& buffer, int root) override {
     checkCall(buffer, buffer);
     DC_NCCL_CHECK(ncclReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
-                             ncclAvg, root, comm_, stream_),
+                             averageOp(), root, comm_, stream_),
                   "Reduce");
   }
 
@@ -130,6 +130,9 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // The average of one rank is a copy: ncclSum lets NCCL do it as a memcpy, while ncclAvg would
+  // launch a scaling kernel.
+  ncclRedOp_t averageOp() const { return size_ == 1 ? ncclSum : ncclAvg; }
   void checkCall(const at::Tensor& a, const at::Tensor& b) const {
     TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup");
     TORCH_CHECK(a.is_cuda() && b.is_cuda(), "deepcompile: NCCL collectives need CUDA tensors");
