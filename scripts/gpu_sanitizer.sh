@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# compute-sanitizer (memcheck) over the README's main job on 2 GPUs: a few ZeRO-3 steps of the
-# small Llama in examples/train_llama.py, eager backend, NCCL, launched by torchrun, every
+# compute-sanitizer (memcheck) over the README's main job on 2 GPUs (SANITIZER_NPROC): a few
+# ZeRO-3 steps of the small Llama in examples/train_llama.py, eager backend, NCCL, launched by torchrun, every
 # process tracked. The CUDA caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
 # so that each tensor is its own cudaMalloc and memcheck sees every out-of-bounds access and
 # every access to freed memory.
 #
 #   bash scripts/gpu_sanitizer.sh          # after scripts/gpu_check.sh built the extension
 #
-# Environment: OUT (log folder, default ./gpu-logs), SANITIZER_STEPS (default 3),
+# Environment: OUT (log folder, default ./gpu-logs), SANITIZER_STEPS (default 3), SANITIZER_NPROC
+# (processes = GPUs, default 2; 1 on a one-GPU machine),
 # SANITIZER_TIMEOUT (seconds, default 240), SANITIZER_API_ERRORS (memcheck's
 # --report-api-errors: no (default) | explicit | all; NCCL and torch probe optional driver
 # features through calls that fail by design, which "explicit" reports as errors).
@@ -18,6 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 STEPS=${SANITIZER_STEPS:-3}
+NPROC=${SANITIZER_NPROC:-2}
 LIMIT=${SANITIZER_TIMEOUT:-240}
 API_ERRORS=${SANITIZER_API_ERRORS:-no}
 mkdir -p "$OUT"
@@ -51,7 +53,7 @@ fi
 
 {
   echo "gpu_sanitizer: $("$SANITIZER" --version 2>&1 | grep -i version | head -1)"
-  echo "gpu_sanitizer: memcheck over ${LAUNCH[*]} --standalone --nproc-per-node 2 examples/train_llama.py" \
+  echo "gpu_sanitizer: memcheck over ${LAUNCH[*]} --standalone --nproc-per-node $NPROC examples/train_llama.py" \
        "--steps $STEPS --backend eager (limit ${LIMIT}s, api errors: $API_ERRORS)"
 } | tee "$OUT/sanitizer-run.txt"
 
@@ -61,7 +63,7 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1 \
   "$SANITIZER" --tool memcheck --target-processes all --require-cuda-init no \
     --launch-timeout 120 --report-api-errors "$API_ERRORS" --error-exitcode 86 --print-limit 100 \
     --log-file "$LOG" \
-  "${LAUNCH[@]}" --standalone --nproc-per-node 2 examples/train_llama.py --steps "$STEPS" --backend eager \
+  "${LAUNCH[@]}" --standalone --nproc-per-node $NPROC examples/train_llama.py --steps "$STEPS" --backend eager \
   > "$APP_LOG" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - start ))
