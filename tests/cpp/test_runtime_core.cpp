@@ -286,6 +286,48 @@ TEST_F(RuntimeFixture, Zero3ReduceOverflowsBucketsAndZeroesPadding) {
   EXPECT_TRUE(at::equal(t2, at::tensor({2.0f, 0.0f})));
 }
 
+// Host lanes whose completions count host waits: the reduce path must order buffer reuse on the
+// lanes (blockStream), never by blocking the host.
+class CountingLanes final : public Lanes {
+ public:
+  struct Counted final : Completion {
+    explicit Counted(int& waits) : waits_(waits) {}
+    void blockStream(const c10::Stream&) override {}
+    void hostWait() override { ++waits_; }
+    int& waits_;
+  };
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  c10::Stream stream(Lane) const override { return c10::Stream(c10::Stream::DEFAULT, device()); }
+  c10::Stream computeStream() const override { return stream(Lane::AllGather); }
+  void waitCompute(Lane) override {}
+  CompletionPtr record(Lane) override { return std::make_shared<Counted>(host_waits); }
+  void synchronize(Lane) override {}
+  void synchronizeDevice() override {}
+  void recordStream(const at::Tensor&, const c10::Stream&) override {}
+  int host_waits = 0;
+};
+
+TEST(GradReducer, GrowingABucketAfterAFlushDoesNotWaitOnTheHost) {
+  auto lanes = std::make_unique<CountingLanes>();
+  CountingLanes* counting = lanes.get();
+  RuntimeConfig cfg;
+  cfg.reduce_bucket_size = 4;
+  cfg.double_buffer = false;  // the flushed buffer is the one that must grow
+  Runtime rt(std::move(lanes), std::make_unique<MirrorCommunicator>(0, 1), cfg);
+  at::Tensor small = at::empty({3}), large = at::empty({9});
+  rt.registerZ3Params({{1, {3}, at::zeros({3}), small, false, std::nullopt},
+                       {2, {9}, at::zeros({9}), large, false, std::nullopt}});
+  rt.registerGraph(1, {1, 2}, 3);
+  rt.startBackward(true);
+  auto& ex = rt.executor(1, "test");
+  ex.reduceGrad(at::full({3}, 1.0f), 1, "test");
+  ex.reduceGrad(at::arange(9, at::kFloat), 2, "test");  // flushes the first, then grows to 9
+  rt.reducer().flushAll();
+  EXPECT_EQ(counting->host_waits, 0);
+  EXPECT_TRUE(at::equal(small, at::full({3}, 1.0f)));
+  EXPECT_TRUE(at::equal(large, at::arange(9, at::kFloat)));
+}
+
 TEST_F(RuntimeFixture, AccumulationWindowsAndSharedParams) {
   make(0, 1);
   at::Tensor target = at::empty({2});
