@@ -8,13 +8,13 @@ namespace {
 
 bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
 
-// Writes what this rank contributes to a gather of `p` in `dtype` straight into its own chunk of
-// `buffer` and returns that chunk: the gather then runs in place, with no staging temporary per
+// Writes what this rank contributes to a gather of `p` (in `buffer`'s dtype) straight into its own
+// chunk of `buffer` and returns that chunk: the gather then runs in place, with no staging temporary per
 // parameter (one allocation and one launch less, per parameter and gather). The parameter's value
 // is its shard rounded to the gather dtype (a trainable shard is the fp32 master copy, the module
 // may be bf16), so the shard is cast to the gather dtype first and only then to another requested
-// one: every dtype sees the same rounding as the module parameter. In the usual case (`dtype` is
-// the gather dtype) the copy is the single cast.
+// one: every dtype sees the same rounding as the module parameter. In the usual case (the buffer
+// is in the gather dtype) the copy is the single cast.
 at::Tensor stageOwnChunk(const DSParam& p, const at::Tensor& buffer, int rank) {
   at::Tensor shard = p.data.reshape({-1});
   if (shard.scalar_type() != p.gather_dtype && buffer.scalar_type() != p.gather_dtype) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck) over the README's main job on 2 GPUs (SANITIZER_NPROC): a few
-# ZeRO-3 steps of the small Llama in examples/train_llama.py, eager backend, NCCL, launched by torchrun, every
-# process tracked. The CUDA caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+# ZeRO-3 steps of the small Llama in examples/train_llama.py, eager backend, NCCL, launched by
+# torchrun, every process tracked. The CUDA caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
 # so that each tensor is its own cudaMalloc and memcheck sees every out-of-bounds access and
 # every access to freed memory.
 #

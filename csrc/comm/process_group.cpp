@@ -126,10 +126,10 @@ class ProcessGroupCommunicator final : public Communicator {
 
  private:
   void checkInGroup() const { TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup"); }
-  // A contiguous tensor gloo can communicate; the original when it already is one.
   void divideBySize(const at::Tensor& t) const {
     if (size() > 1) t.div_(size());
   }
+  // A contiguous tensor gloo can communicate; the original when it already is one.
   static at::Tensor stage(const at::Tensor& t) {
     if (needsStaging(t)) return t.to(at::kFloat);
     return t.is_contiguous() ? t : t.contiguous();

@@ -100,7 +100,7 @@ def _is_matrix_transpose(node: Node) -> bool:
     if node.target is torch.ops.aten.t.default:
         return True
     if node.target is torch.ops.aten.permute.default:
-        return [d % 2 for d in node.args[1]] == [1, 0] and len(node.args[1]) == 2
+        return [d % 2 for d in node.args[1]] == [1, 0]
     return False
 
 
@@ -143,11 +143,15 @@ def insert_reductions(gm: GraphModule, graph_id: int, grad_slots: Dict[int, int]
     output = graph.output_node()
     outputs = list(output.args[0])
     reductions: List[Node] = []
+    replaced: List[Node] = []  # transposes and their products, rewritten as untransposed products
     for position, ds_id in sorted(grad_slots.items()):
         grad = outputs[position]
         if not isinstance(grad, Node):
             continue  # frozen or unused parameter: no gradient
-        grad = _untransposed_weight_grad(graph, grad)
+        untransposed = _untransposed_weight_grad(graph, grad)
+        if untransposed is not grad:
+            replaced += [grad, grad.args[0]]
+            grad = untransposed
         with graph.inserting_after(grad):
             reduced = graph.call_function(dc.reduce_grad.default, (grad, graph_id, ds_id))
         reduced.meta["val"] = grad.meta["val"].new_empty((0,)) if "val" in grad.meta else None
@@ -157,11 +161,8 @@ def insert_reductions(gm: GraphModule, graph_id: int, grad_slots: Dict[int, int]
         with graph.inserting_before(output):
             graph.call_function(dc.end_backward.default, (reductions, graph_id, False))
     output.args = (tuple(outputs),)
-    # Transposed products replaced above are now unused.
-    for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and not node.users and node.target in (
-            torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.mm.default
-        ):
+    for node in dict.fromkeys(replaced):  # a transpose before its product, which then has no user left
+        if not node.users:
             graph.erase_node(node)
     graph.lint()
     return reductions
