@@ -90,6 +90,15 @@ def overlap_lines(kernels: List[Tuple[str, float, float]], wall_ms: float, steps
     ]
 
 
+def generated_kernel_line(kernels: List[Tuple[str, float, float]], steps: int) -> str:
+    """Launches and time of the kernels Inductor generated (Triton's ``triton_*``): more launches
+    for the same model means fusion regions were split."""
+    generated = [(s, e) for name, s, e in kernels if name.startswith("triton_")]
+    per = max(steps, 1)
+    return (f"inductor-generated kernels: {len(generated) / per:.0f} launches/step, "
+            f"{sum(e - s for s, e in generated) / 1e3 / per:.1f} ms/step")
+
+
 def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor], sync: Callable[[], None],
                 path: str, title: str, write: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -124,6 +133,7 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
         else "self_cuda_time_total"
     lines = [f"# {title}: {len(batches)} traced step(s), wall {wall_ms:.1f} ms ({wall_ms / max(len(batches), 1):.1f} ms/step)", ""]
     lines += [f"device time, {k}: {v:.1f} ms ({v / max(len(batches), 1):.1f} ms/step)" for k, v in kinds.items()]
+    lines += [generated_kernel_line(kernels, len(batches))]
     lines += [""] + overlap_lines(kernels, wall_ms, len(batches))
     lines += ["", "## top operators by self CPU time",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)]

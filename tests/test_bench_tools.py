@@ -30,6 +30,13 @@ def test_overlap_splits_exposed_communication_from_hidden():
     assert _value(lines, "no kernel running at all") == pytest.approx(20.0)
 
 
+def test_generated_kernels_are_counted_per_step():
+    kernels = [("triton_per_fused_add_mean_0", 0.0, 2000.0), ("sm90_gemm", 2000.0, 9000.0),
+               ("triton_poi_fused_mul_1", 9000.0, 10000.0), ("ncclAllGather", 0.0, 5000.0)]
+    line = step_trace.generated_kernel_line(kernels, steps=2)
+    assert line == "inductor-generated kernels: 1 launches/step, 1.5 ms/step"
+
+
 def test_memory_peak_replays_allocations_and_counts_the_baseline():
     frames_kernel = [{"filename": "/site/torch/_ops.py", "line": 1, "name": "__call__"},
                      {"filename": "/tmp/torchinductor/ab.py", "line": 9, "name": "call"}]

@@ -140,3 +140,39 @@ def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
     assert prefetches[0].kwargs["dtypes"] == [torch.float32, torch.bfloat16]
     for p in prefetches:
         assert all(a.op == "placeholder" for a in p.args[1])
+
+
+def _release_source(release):
+    """The node a release is anchored on, past other releases chained on the same result."""
+    node = release.args[0]
+    while node.target is dc.release_param.default:
+        node = node.args[0]
+    return node
+
+
+def test_runtime_ops_leave_pointwise_regions_whole():
+    """Inductor fuses no generated kernel across a runtime op, so the pass keeps them at library
+    calls: a parameter read inside a pointwise region (an RMSNorm weight) is gathered before the
+    region starts and released on the product that consumes the region's result."""
+
+    def f(w1, w_norm, w2, x):
+        h = x @ w1.t() + x  # residual add
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)) * w_norm
+        return (n @ w2.t()).sum()
+
+    gm = _trace(f, torch.randn(3, 3), torch.randn(3), torch.randn(2, 3), torch.randn(4, 3))
+    params = _params(gm, 3)
+    insert_gather_release(gm, graph_id=2, params=params)
+    order = _order(gm)
+    w1, w_norm, w2 = params
+    (wait_norm,) = [n for n in gm.graph.nodes if n.target is dc.wait_allgather.default and n.args[2] == params[w_norm]]
+    x = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    (residual,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and x in n.all_input_nodes]
+    assert order[wait_norm] < order[residual], "the norm weight's wait splits the region before it"
+    releases = {n.args[2]: n for n in gm.graph.nodes if n.target is dc.release_param.default}
+    norm_anchor = _release_source(releases[params[w_norm]])
+    assert norm_anchor.target is torch.ops.aten.mm.default
+    assert _release_source(releases[params[w2]]) is norm_anchor  # the product that reads the region
+    # No pointwise node feeds a release (which would force it into memory and end the region).
+    assert all(_release_source(r).target is torch.ops.aten.mm.default for r in releases.values())
+

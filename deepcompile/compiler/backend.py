@@ -100,10 +100,12 @@ class DeepCompileBackend:
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         record.needs_backward = True
+        # Reductions first: a release whose last use is pointwise can then be anchored on the
+        # reduction that consumes its result (passes/zero3.py) instead of splitting that region.
+        insert_reductions(gm, record.graph_id, record.param_slots)
         if self.stage == 3:
             params = {n: record.fw_param_names[n.name] for n in _input_placeholders(gm) if n.name in record.fw_param_names}
             insert_gather_release(gm, record.graph_id, params)
-        insert_reductions(gm, record.graph_id, record.param_slots)
         return self._finish(record, "backward", gm, inputs)
 
     def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):

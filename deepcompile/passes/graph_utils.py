@@ -73,6 +73,57 @@ def first_user(graph: Graph, node: Node) -> Optional[Node]:
     return None
 
 
+# Operators Inductor runs as library calls (cuBLAS, attention kernels, custom ops) rather than
+# generating code for: their outputs are buffers in any case, so anchoring a runtime op on one
+# costs no fusion. Anchoring one on a pointwise result instead forces that result into memory and
+# splits the generated kernel around it (e.g. an RMSNorm from the residual add before it).
+_LIBRARY_CALL_PACKETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+_LIBRARY_CALL_PREFIXES = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention")
+
+
+def is_library_call(node: Node) -> bool:
+    """True if Inductor runs ``node`` as a library call whose output it materializes anyway."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.namespace not in ("aten", "prims"):
+        return True  # custom ops are fallback kernels
+    name = node.target._overloadpacket.__name__
+    return node.target.namespace == "aten" and (name in _LIBRARY_CALL_PACKETS or name.startswith(_LIBRARY_CALL_PREFIXES))
+
+
+def first_library_call_reading(graph: Graph, node: Node) -> Optional[Node]:
+    """The first library call after ``node`` in graph order that reads ``node``'s result
+    (transitively): it runs after ``node`` and after everything ``node`` depends on."""
+    descendants = {node}
+    for n in _nodes_after(graph, node):
+        if n.op == "output":
+            break
+        if any(a in descendants for a in n.all_input_nodes):
+            descendants.add(n)
+            if is_library_call(n):
+                return n
+    return None
+
+
+def _nodes_after(graph: Graph, node: Node):
+    n = node.next
+    while n.op != "root":
+        yield n
+        n = n.next
+
+
+def gather_point(node: Node) -> Node:
+    """Where to start gathering a parameter first read by ``node``: right after the library call
+    (or last placeholder) before it, rather than right before ``node``. Ops between the gather and
+    the wait do not depend on them, but Inductor does not fuse generated kernels across these
+    fallback calls, so a wait right before ``node`` would split the pointwise region ``node`` is
+    part of (e.g. a residual add from the RMSNorm after it)."""
+    point = node
+    while point.prev.op != "root" and point.prev.op != "placeholder" and not is_library_call(point.prev):
+        point = point.prev
+    return point
+
+
 def tensor_result(node: Node) -> Optional[Node]:
     """A node holding a tensor produced by ``node``: itself, or its first getitem for tuples."""
     val = node.meta.get("val")

@@ -2,13 +2,17 @@
 
 Forward and backward graphs get, for every partitioned parameter placeholder with users:
 
-    ag   = dc.allgather_param(param, graph_id, ds_id, dtype)   # right before the first use
+    ag   = dc.allgather_param(param, graph_id, ds_id, dtype)   # before the first use
     full = dc.wait_allgather(ag, graph_id, ds_id)               # every use now reads `full`
     ...
-    out  = dc.release_param(last_use_output, graph_id, ds_id, 1)  # right after the last use
+    out  = dc.release_param(last_use_output, graph_id, ds_id, 1)  # after the last use
 
 The release takes the last user's output, so data dependencies (not only node order) keep it
-after that use. When the only use is a cast to a narrower dtype (what autocast emits), the cast
+after that use. Inductor fuses no generated kernel across these ops, so they sit at library calls
+(matrix products, attention): the gather goes right after the library call before the first use,
+and a release whose last use is pointwise (an RMSNorm weight) takes the output of the first
+library call that reads that use's result. Otherwise every norm would be split from the residual
+add before it, and its backward into three kernels. When the only use is a cast to a narrower dtype (what autocast emits), the cast
 is fused into the gather. The backward graph additionally sends every parameter gradient to
 dc.reduce_grad and returns None in its place, then ends with dc.end_backward, which depends on
 every reduction so no compiler can hoist it above them. A weight gradient that arrives as the
@@ -26,7 +30,10 @@ from torch.fx import GraphModule, Node
 
 from deepcompile.passes.graph_utils import (
     alias_closure,
+    first_library_call_reading,
     first_user,
+    gather_point,
+    is_library_call,
     is_cast_op,
     last_user,
     reaches_output,
@@ -66,7 +73,7 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
             continue
         dtype = _fused_cast_dtype(param)
         cast = first if dtype is not None else None
-        with graph.inserting_before(first):
+        with graph.inserting_before(gather_point(first)):
             gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
             full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
         gathered.meta["val"] = param.meta["val"].to(dtype) if dtype is not None else param.meta["val"]
@@ -86,6 +93,10 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
             continue
         last = last_user(graph, aliases)
         anchor = tensor_result(last) or full
+        if not is_library_call(last):
+            later = first_library_call_reading(graph, last)
+            if later is not None and tensor_result(later) is not None:
+                anchor = tensor_result(later)
         with graph.inserting_after(anchor):
             released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, 1))
         released.meta["val"] = anchor.meta.get("val")
