@@ -16,6 +16,9 @@ elapsed() { echo $(( $(date +%s) - start )); }
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
   git log -1 --format='commit %h %s' 2>/dev/null || true
+  # The device copy's git metadata can be stale; this digest of the sources is not
+  # (scripts/source_digest.sh prints the same for a local commit).
+  echo "source digest $(bash scripts/source_digest.sh)"
 } 2>&1 | tee "$OUT/env.txt"
 
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }

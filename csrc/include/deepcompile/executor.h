@@ -37,8 +37,7 @@ class GradReducer {
   struct Task {
     DsId id;
     int64_t numel;
-    at::Tensor slot;  // view into the current bucket
-    CompletionPtr copied;
+    at::Tensor slot;  // view into the current bucket, written on the copy lane
   };
   Runtime& rt_;
   DoubleBufferedReduceBucket buckets_;
