@@ -513,6 +513,16 @@ def git_revision() -> str:
         return "unknown"
 
 
+def source_digest() -> str:
+    """scripts/source_digest.sh: names the tree that ran even where the git metadata is stale."""
+    try:
+        out = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "source_digest.sh")], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+        return out or "unknown"
+    except Exception:
+        return "unknown"
+
+
 def environment(ctx: Context) -> Dict[str, str]:
     a = ctx.args
     if ctx.is_cuda:
@@ -529,6 +539,7 @@ def environment(ctx: Context) -> Dict[str, str]:
         "torch": torch.__version__ + (f", CUDA {torch.version.cuda}" if ctx.is_cuda else ""),
         "NCCL": nccl,
         "deepcompile commit": git_revision(),
+        "source digest": source_digest(),
         "model": (f"Llama hidden {a.hidden}, layers {a.layers}, heads {a.heads} (kv {a.kv_heads}), "
                   f"intermediate {a.intermediate}, vocab {a.vocab}; {ctx.n_params / 1e6:,.1f} M parameters"),
         "batch": f"micro-batch {a.micro_batch} x seq {a.seq} per rank",
