@@ -328,6 +328,28 @@ TEST(GradReducer, GrowingABucketAfterAFlushDoesNotWaitOnTheHost) {
   EXPECT_TRUE(at::equal(large, at::arange(9, at::kFloat)));
 }
 
+TEST_F(RuntimeFixture, GradientCopiesWaitForTheFlushAndThenLetGo) {
+  make(/*rank=*/0, /*world=*/2, /*bucket=*/16);
+  at::Tensor t1 = at::empty({2}), t2 = at::empty({3});
+  rt->registerZ3Params({{1, {3}, at::zeros({2}), t1, false, std::nullopt},
+                        {2, {6}, at::zeros({3}), t2, false, std::nullopt}});
+  rt->registerGraph(1, {1, 2}, 3);
+  rt->startBackward(true);
+  auto& ex = rt->executor(1, "test");
+  at::Tensor g1 = at::full({3}, 1.0f);
+  at::Tensor g2 = at::arange(6, at::kFloat).view({2, 3}).t();  // strided: copied on its own
+  const auto held_before = g1.storage().use_count();
+  ex.reduceGrad(g1, 1, "test");
+  ex.reduceGrad(g2, 2, "test");
+  EXPECT_EQ(comm->reduce_scatters, 0);
+  EXPECT_GT(g1.storage().use_count(), held_before);  // the task holds the gradient until the flush
+  rt->reducer().flushAll();
+  EXPECT_EQ(g1.storage().use_count(), held_before);  // and lets it go once copied
+  // Mirrored ranks: each rank's half of the padded gradient, averaged over 2 equal contributions.
+  EXPECT_TRUE(at::equal(t1, at::tensor({1.0f, 1.0f})));
+  EXPECT_TRUE(at::equal(t2, at::tensor({0.0f, 3.0f, 1.0f})));  // g2 flattened: 0 3 1 4 2 5
+}
+
 TEST_F(RuntimeFixture, AccumulationWindowsAndSharedParams) {
   make(0, 1);
   at::Tensor target = at::empty({2});

@@ -38,7 +38,9 @@ class GradReducer {
     DsId id;
     int64_t numel;
     at::Tensor slot;  // view into the current bucket, written on the copy lane
+    at::Tensor grad;  // held until the flush copies it into the slot
   };
+  void copyIntoSlots(at::ScalarType dtype, std::vector<Task>& tasks);
   Runtime& rt_;
   DoubleBufferedReduceBucket buckets_;
   std::map<at::ScalarType, std::vector<Task>> tasks_;
