@@ -59,6 +59,10 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   // path of the backward). The task holds the gradient until then; the graph may drop its own
   // reference right after this op, and nothing writes into a gradient once it is handed over.
   tasks_[dtype].push_back(Task{param.id, param.numel, slot, grad});
+  // A full bucket (typically one grown for a single large gradient, an LM head or embedding) takes
+  // nothing more: reduce it now rather than when the next gradient arrives, which starts its
+  // collective earlier and lets its gradient go sooner.
+  if (bucket->offset() == bucket->capacity()) flush(dtype);
 }
 
 void GradReducer::copyIntoSlots(at::ScalarType dtype, std::vector<Task>& tasks) {

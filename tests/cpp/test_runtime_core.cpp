@@ -269,21 +269,27 @@ TEST_F(RuntimeFixture, NonFloatingGatherDtypeIsRejectedWithItsId) {
 
 TEST_F(RuntimeFixture, Zero3ReduceOverflowsBucketsAndZeroesPadding) {
   make(/*rank=*/2, /*world=*/3, /*bucket=*/4);
-  at::Tensor t1 = at::empty({3}), t2 = at::empty({2});
+  at::Tensor t1 = at::empty({3}), t2 = at::empty({2}), t3 = at::empty({1});
   rt->registerZ3Params({{1, {7}, at::zeros({3}), t1, false, std::nullopt},
-                        {2, {5}, at::zeros({2}), t2, false, std::nullopt}});
-  rt->registerGraph(1, {1, 2}, 3);
+                        {2, {5}, at::zeros({2}), t2, false, std::nullopt},
+                        {3, {2}, at::zeros({1}), t3, false, std::nullopt}});
+  rt->registerGraph(1, {1, 2, 3}, 3);
   rt->startBackward(true);
   auto& ex = rt->executor(1, "test");
-  ex.reduceGrad(at::ones({7}), 1, "test");  // padded slot of 9 > bucket of 4: bucket grows
-  ex.reduceGrad(at::full({5}, 2.0f), 2, "test");  // does not fit: flushes the first
+  ex.reduceGrad(at::ones({7}), 1, "test");  // padded slot of 9 > bucket of 4: grows to 9, full
+  EXPECT_EQ(comm->reduce_scatters, 1);      // a full bucket is reduced at once
+  ex.reduceGrad(at::full({2}, 3.0f), 3, "test");  // the other bucket: 3 of 4, waits for more
   EXPECT_EQ(comm->reduce_scatters, 1);
+  ex.reduceGrad(at::full({5}, 2.0f), 2, "test");  // slot of 6 does not fit: flushes the second
+  EXPECT_EQ(comm->reduce_scatters, 2);            // and takes 6 of the grown bucket's 9
   rt->reducer().flushAll();
-  EXPECT_EQ(comm->reduce_scatters, 2);
+  EXPECT_EQ(comm->reduce_scatters, 3);
   // Rank 2 holds elements [6, 9) of the 9-element padded gradient: one real value, then zeros.
   EXPECT_TRUE(at::equal(t1, at::tensor({1.0f, 0.0f, 0.0f})));
   // Rank 2 of the 5-element parameter: element 4 and one zero of padding.
   EXPECT_TRUE(at::equal(t2, at::tensor({2.0f, 0.0f})));
+  // Rank 2 of the 2-element parameter: padding only.
+  EXPECT_TRUE(at::equal(t3, at::tensor({0.0f})));
 }
 
 // Host lanes whose completions count host waits: the reduce path must order buffer reuse on the
