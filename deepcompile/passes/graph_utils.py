@@ -85,17 +85,27 @@ def is_library_call(node: Node) -> bool:
     """True if Inductor runs ``node`` as a library call whose output it materializes anyway."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if node.target.namespace not in ("aten", "prims"):
+    namespace = node.target.namespace
+    if namespace == "prims":
+        return False  # lowered into generated code
+    if namespace != "aten":
         return True  # custom ops are fallback kernels
     name = node.target._overloadpacket.__name__
-    return node.target.namespace == "aten" and (name in _LIBRARY_CALL_PACKETS or name.startswith(_LIBRARY_CALL_PREFIXES))
+    return name in _LIBRARY_CALL_PACKETS or name.startswith(_LIBRARY_CALL_PREFIXES)
 
 
-def first_library_call_reading(graph: Graph, node: Node) -> Optional[Node]:
+def _nodes_after(node: Node):
+    n = node.next
+    while n.op != "root":
+        yield n
+        n = n.next
+
+
+def first_library_call_reading(node: Node) -> Optional[Node]:
     """The first library call after ``node`` in graph order that reads ``node``'s result
     (transitively): it runs after ``node`` and after everything ``node`` depends on."""
     descendants = {node}
-    for n in _nodes_after(graph, node):
+    for n in _nodes_after(node):
         if n.op == "output":
             break
         if any(a in descendants for a in n.all_input_nodes):
@@ -103,13 +113,6 @@ def first_library_call_reading(graph: Graph, node: Node) -> Optional[Node]:
             if is_library_call(n):
                 return n
     return None
-
-
-def _nodes_after(graph: Graph, node: Node):
-    n = node.next
-    while n.op != "root":
-        yield n
-        n = n.next
 
 
 def gather_point(node: Node) -> Node:

@@ -12,8 +12,8 @@ after that use. Inductor fuses no generated kernel across these ops, so they sit
 (matrix products, attention): the gather goes right after the library call before the first use,
 and a release whose last use is pointwise (an RMSNorm weight) takes the output of the first
 library call that reads that use's result. Otherwise every norm would be split from the residual
-add before it, and its backward into three kernels. When the only use is a cast to a narrower dtype (what autocast emits), the cast
-is fused into the gather. The backward graph additionally sends every parameter gradient to
+add before it, and its backward into three kernels. When the only use is a cast to a narrower
+dtype (what autocast emits), the cast is fused into the gather. The backward graph additionally sends every parameter gradient to
 dc.reduce_grad and returns None in its place, then ends with dc.end_backward, which depends on
 every reduction so no compiler can hoist it above them. A weight gradient that arrives as the
 transpose of a matrix product is recomputed as the product of the transposed operands, so the
@@ -33,8 +33,8 @@ from deepcompile.passes.graph_utils import (
     first_library_call_reading,
     first_user,
     gather_point,
-    is_library_call,
     is_cast_op,
+    is_library_call,
     last_user,
     reaches_output,
     tensor_result,
@@ -94,7 +94,7 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
         last = last_user(graph, aliases)
         anchor = tensor_result(last) or full
         if not is_library_call(last):
-            later = first_library_call_reading(graph, last)
+            later = first_library_call_reading(last)
             if later is not None and tensor_result(later) is not None:
                 anchor = tensor_result(later)
         with graph.inserting_after(anchor):
