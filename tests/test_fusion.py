@@ -28,8 +28,8 @@ def _generated_kernels(ctx, stage: int) -> int:
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to(ctx.device)
     config = {
-        # Persistent norm weights still go through gather/wait/release: threshold 0 keeps every
-        # parameter partitioned, the case with the most runtime ops.
+        # Threshold 0: every parameter, the norm weights included, is partitioned and goes
+        # through gather/wait/release, the case with the most runtime ops.
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "train_micro_batch_size_per_gpu": 2,
         "compile": {"prefetch": False, "selective_gather": False},
