@@ -59,3 +59,15 @@ def test_memory_peak_replays_allocations_and_counts_the_baseline():
     assert sorted(live) == [1, 2]
     assert memory_peak.where(frames_kernel) == "ab.py:9 call"
     assert memory_peak.where([]) == "(no stack)"
+
+
+def test_memory_timeline_reports_the_highest_level_per_slice():
+    frames = [{"filename": "/tmp/torchinductor/cd.py", "line": 3, "name": "call"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 30, "frames": frames},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 30},
+        {"action": "free_completed", "addr": 2, "size": 50},
+    ]
+    rows = memory_peak.timeline({"device_traces": [events]}, device=0, slices=2)
+    assert rows == [(0, 80, "(no stack)"), (2, 80, "(the level the slice started at)")]
