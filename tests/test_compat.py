@@ -47,6 +47,22 @@ def test_inductor_lowerings_protect_runtime_buffers():
     assert "never_reuse_buffers" in inspect.getsource(GraphLowering.__init__)
 
 
+def test_inductor_joint_graph_passes_run_on_a_joint_graph():
+    # A no-op cast chain (fp32 -> fp32) is one of the things the joint-graph passes remove.
+    def f(x):
+        return torch.ops.prims.convert_element_type.default(x, torch.float32) * 2
+
+    gm = torch.fx.symbolic_trace(f)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(torch.empty(4))
+    out = compat.inductor_joint_graph_passes(gm, [torch.empty(4)])
+    assert isinstance(out, torch.fx.GraphModule)
+    assert not any(n.target is torch.ops.prims.convert_element_type.default for n in out.graph.nodes)
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     if dist.is_initialized():

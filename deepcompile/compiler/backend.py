@@ -3,9 +3,9 @@
 For each graph Dynamo captures, the backend assigns a fresh graph id (monotonic, never reused,
 unlike ``id(gm.graph)``), registers an executor of the engine's ZeRO stage for the parameters the
 graph takes as inputs, and runs aot_autograd with:
-  * ZeRO-3: a partitioner that never saves gathered parameters for backward
-    (compiler/partitioner.py), and a forward compiler that inserts gather/release
-    (passes/zero3.py);
+  * a partitioner that first runs Inductor's joint-graph passes (with Inductor inside) and, for
+    ZeRO-3, never saves gathered parameters for backward (compiler/partitioner.py);
+  * ZeRO-3: a forward compiler that inserts gather/release (passes/zero3.py);
   * a backward compiler that (ZeRO-3) re-gathers, and (all stages) sends parameter gradients to
     dc.reduce_grad and returns None for them;
   * then the inner compiler: FX execution for "eager", Inductor for "inductor".
@@ -72,9 +72,9 @@ class DeepCompileBackend:
         record = GraphRecord(next(self._next_graph_id), slots)
         self.graphs.append(record)
         runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=self.stage)
-        partition = min_cut_rematerialization_partition
-        if self.stage == 3:
-            partition = make_partition_fn(partition, set(slots))
+        partition = make_partition_fn(min_cut_rematerialization_partition,
+                                      set(slots) if self.stage == 3 else None,
+                                      joint_passes=self.inner == "inductor")
         fw = functools.partial(self._compile_forward, record)
         bw = functools.partial(self._compile_backward, record)
         kwargs: Dict[str, Any] = dict(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw, partition_fn=partition)

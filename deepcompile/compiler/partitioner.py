@@ -1,4 +1,9 @@
-"""Joint-graph partitioning that never saves a gathered parameter for backward.
+"""Joint-graph partitioning: Inductor's joint-graph passes, and (ZeRO-3) never saving a gathered
+parameter for backward.
+
+With Inductor as the inner compiler, the partition function first runs the joint-graph passes
+that Inductor's own partition function runs (compat.inductor_joint_graph_passes): skipping them
+changes what the backward computes and keeps, e.g. a materialised fp32 gradient of the logits.
 
 The ZeRO-3 gathers are inserted after partitioning, so to the partitioner a parameter is just an
 input. Left alone it may save views or casts of a parameter (e.g. ``t(weight)``) for backward;
@@ -10,12 +15,13 @@ pass re-gathers the parameter.
 
 from __future__ import annotations
 
-from typing import Callable, Set
+from typing import Callable, Optional, Set
 
 import torch
 from torch.fx import GraphModule
 from torch.utils.checkpoint import CheckpointPolicy
 
+from deepcompile import compat
 from deepcompile.passes.graph_utils import is_alias_op, is_cast_op
 
 
@@ -34,9 +40,17 @@ def mark_parameter_views_recompute(joint: GraphModule, param_input_indices: Set[
     return count
 
 
-def make_partition_fn(base: Callable, param_input_indices: Set[int]) -> Callable:
+def make_partition_fn(base: Callable, param_input_indices: Optional[Set[int]], joint_passes: bool) -> Callable:
+    """``base`` (the min-cut partitioner) after Inductor's joint-graph passes (``joint_passes``)
+    and, for ZeRO-3 (``param_input_indices`` not None), the recompute marks on parameter views.
+    The marks come after the passes: a pattern rewrite could replace a marked node by an unmarked
+    one."""
+
     def partition(joint_module: GraphModule, joint_inputs, **kwargs):
-        mark_parameter_views_recompute(joint_module, param_input_indices)
+        if joint_passes:
+            joint_module = compat.inductor_joint_graph_passes(joint_module, joint_inputs)
+        if param_input_indices is not None:
+            mark_parameter_views_recompute(joint_module, param_input_indices)
         return base(joint_module, joint_inputs, **kwargs)
 
     return partition
