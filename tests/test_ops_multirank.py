@@ -398,6 +398,27 @@ def test_prefetch_then_allgather(dist_world_size):
     run_distributed(_body_prefetch, dist_world_size)
 
 
+def _body_allgather_result_is_ready(ctx):
+    """allgather_param's result can be read right away, with no wait_allgather (the ZeRO-3 pass
+    emits none): the op orders the compute stream (on CPU: the host) after the gather, both for
+    a fresh gather and for one a prefetch started. Large parameters, so a gather still in flight
+    would be caught reading incomplete data."""
+    specs = [(0, (2048, 1024), torch.float32), (1, (1024, 2048), torch.bfloat16), (2, (4099,), torch.float32)]
+    fulls, shards = setup_z3(ctx, specs)
+    ids = [s[0] for s in specs]
+    for round_ in range(3):
+        ops.prefetch_params_fused(GRAPH, [shards[i] for i in ids[:2]], ids[:2])
+        for i in ids:  # 0 and 1 prefetched, 2 gathered fresh
+            out = ops.allgather_param(shards[i], GRAPH, i)
+            assert torch.equal(out, fulls[i]), f"round {round_}, ds_id {i}: read before the gather landed"
+            ops.release_param(out, GRAPH, i, 1)
+            assert not runtime.is_gathered(i)
+
+
+def test_allgather_result_is_ready_without_wait(dist_world_size):
+    run_distributed(_body_allgather_result_is_ready, dist_world_size)
+
+
 def _body_persistent(ctx):
     """Persistent parameters stay gathered across releases; after an optimizer step changed the
     shards in place and ``invalidate_all_gathered``, a fused-cast gather returns the UPDATED
