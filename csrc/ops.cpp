@@ -69,17 +69,7 @@ at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
 }
 
 void end_backward(at::TensorList deps, int64_t graph_id, bool release_reduce_buckets) {
-  Runtime& rt = currentRuntime();
-  CustomOpExecutor& ex = rt.executor(graph_id, "end_backward");
-  if (rt.profiling) return;
-  // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
-  rt.reducer().flushAll();
-  // The optimizer reads the targets right after backward, on the compute stream: that stream
-  // waits for the reduce lane on the device. The host does not block (DeepSpeed's flush does),
-  // so it can queue the optimizer step while the last reductions run.
-  rt.lanes().record(Lane::ReduceScatter)->blockStream(rt.lanes().computeStream());
-  ex.endBackward(rt.updateStep());
-  if (release_reduce_buckets) rt.reducer().releaseBuckets();
+  currentRuntime().endBackward(graph_id, release_reduce_buckets);
 }
 
 void free_tensors(at::TensorList tensors) {

@@ -111,6 +111,19 @@ void Runtime::startBackward(bool update_step) {
   update_step_ = update_step;
 }
 
+void Runtime::endBackward(GraphId graph_id, bool release_reduce_buckets) {
+  CustomOpExecutor& ex = executor(graph_id, "end_backward");
+  if (profiling) return;
+  // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
+  reducer().flushAll();
+  // The optimizer reads the targets right after backward, on the compute stream: that stream
+  // waits for the reduce lane on the device. The host does not block (DeepSpeed's flush does),
+  // so it can queue the optimizer step while the last reductions run.
+  lanes().record(Lane::ReduceScatter)->blockStream(lanes().computeStream());
+  ex.endBackward(update_step_);
+  if (release_reduce_buckets) reducer().releaseBuckets();
+}
+
 void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
   const int world = comm_->size();
   // Local validation first; the verdict is exchanged so that a bad shard on one rank makes every

@@ -419,6 +419,34 @@ def test_allgather_result_is_ready_without_wait(dist_world_size):
     run_distributed(_body_allgather_result_is_ready, dist_world_size)
 
 
+def _body_gather_state_is_shared_across_graphs(ctx):
+    """A gather started by one graph (a prefetch) or outside any graph (``set_persistent``) is
+    read by another graph: it gets that buffer, ready to read. DS gap 10: DeepSpeed keeps the
+    gather's event per executor, so a graph other than the one that gathered did not wait for it."""
+    specs = [(0, (2048, 1024), torch.float32), (1, (1024, 2049), torch.float32)]
+    fulls, shards = setup_z3(ctx, specs)
+    runtime.register_graph(GRAPH2, [0, 1], 3)
+    for round_ in range(3):
+        # Gathered by GRAPH's prefetch, read in GRAPH2 with no wait in between.
+        ops.prefetch_params_fused(GRAPH, [shards[0]], [0])
+        out = ops.allgather_param(shards[0], GRAPH2, 0)
+        assert torch.equal(out, fulls[0]), f"round {round_}: GRAPH2 read GRAPH's gather before it landed"
+        assert same_storage(out, runtime.gathered_buffer(0)), f"round {round_}: GRAPH2 gathered a second copy"
+        ops.release_param(out, GRAPH2, 0, 1)
+        assert not runtime.is_gathered(0)
+    # Gathered by set_persistent (outside any graph), read by both graphs.
+    runtime.set_persistent(1)
+    for graph in (GRAPH, GRAPH2):
+        out = ops.allgather_param(shards[1], graph, 1)
+        assert torch.equal(out, fulls[1]), f"graph {graph}: persistent gather read before it landed"
+        ops.release_param(out, graph, 1, 1)
+        assert runtime.is_gathered(1)
+
+
+def test_gather_state_is_shared_across_graphs(dist_world_size):
+    run_distributed(_body_gather_state_is_shared_across_graphs, dist_world_size)
+
+
 def _body_persistent(ctx):
     """Persistent parameters stay gathered across releases; after an optimizer step changed the
     shards in place and ``invalidate_all_gathered``, a fused-cast gather returns the UPDATED

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from multiproc import run_distributed, single_world_size
-from parity_cases import assert_parity, train_engine, train_reference
+from parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
+                          train_reference)
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # Inductor fuses and reorders float sums differently from the eager single-process reference.
@@ -67,6 +69,46 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
 def test_zero3_parity(name, backend, expect_eager):
     run_distributed(_parity_body, WORLD, args=(name, backend, 4, zero3_config()), kwargs={"expect_eager": expect_eager},
                     timeout=600)
+
+
+def _forwards_without_backward_body(ctx, name, backend):
+    """Forwards whose backward never runs (an evaluation under no_grad, a training forward whose
+    loss is dropped) between training steps: training still matches the reference and nothing
+    stays gathered. DeepSpeed pairs forward and backward graphs by patching autograd's compiled
+    function and assumes every forward is followed by its backward."""
+    import deepcompile
+    from deepcompile import runtime
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(name, device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), zero3_config())
+    engine.compile(backend=backend)
+    n = GLOBAL_BATCH // world
+    losses = []
+    for step in range(4):
+        a, b = batch(name, step, device=ctx.device)
+        a, b = a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n]
+        with torch.no_grad():
+            engine(a, b)
+        engine(a, b)  # abandoned: its graph and saved tensors are dropped unused
+        gathered = [sp.name for sp in engine.sharding.params if not sp.persistent and runtime.is_gathered(sp.ds_id)]
+        assert not gathered, f"step {step}: still gathered after forwards without backward: {gathered}"
+        loss = engine(a, b)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()})
+    ref = train_reference(name, 4, device=ctx.device)
+    assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
+    engine.destroy()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_zero3_forwards_without_backward(backend):
+    run_distributed(_forwards_without_backward_body, WORLD, args=("mlp", backend), timeout=600)
 
 
 def test_zero3_seed002_disabled_forward_with_zero_persistence():

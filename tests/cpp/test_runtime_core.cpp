@@ -307,10 +307,10 @@ class CountingLanes final : public Lanes {
   c10::Stream computeStream() const override { return stream(Lane::AllGather); }
   void waitCompute(Lane) override {}
   CompletionPtr record(Lane) override { return std::make_shared<Counted>(host_waits); }
-  void synchronize(Lane) override {}
-  void synchronizeDevice() override {}
+  void synchronize(Lane) override { ++host_waits; }
+  void synchronizeDevice() override { ++host_waits; }
   void recordStream(const at::Tensor&, const c10::Stream&) override {}
-  int host_waits = 0;
+  int host_waits = 0;  // completions waited on and lanes synchronised by the host
 };
 
 TEST(GradReducer, GrowingABucketAfterAFlushDoesNotWaitOnTheHost) {
@@ -332,6 +332,25 @@ TEST(GradReducer, GrowingABucketAfterAFlushDoesNotWaitOnTheHost) {
   EXPECT_EQ(counting->host_waits, 0);
   EXPECT_TRUE(at::equal(small, at::full({3}, 1.0f)));
   EXPECT_TRUE(at::equal(large, at::arange(9, at::kFloat)));
+}
+
+// dc.end_backward flushes the last reductions and orders the compute stream after them on the
+// device; the host goes on to queue the optimizer step. DeepSpeed synchronises the host there.
+TEST(GradReducer, EndOfBackwardDoesNotWaitOnTheHost) {
+  auto lanes = std::make_unique<CountingLanes>();
+  CountingLanes* counting = lanes.get();
+  RuntimeConfig cfg;
+  cfg.reduce_bucket_size = 4;
+  Runtime rt(std::move(lanes), std::make_unique<MirrorCommunicator>(0, 1), cfg);
+  at::Tensor target = at::empty({3});
+  rt.registerZ3Params({{1, {3}, at::zeros({3}), target, false, std::nullopt}});
+  rt.registerGraph(1, {1}, 3);
+  rt.startBackward(true);
+  rt.executor(1, "test").reduceGrad(at::full({3}, 2.0f), 1, "test");
+  rt.endBackward(1, /*release_reduce_buckets=*/true);
+  EXPECT_EQ(counting->host_waits, 0);
+  EXPECT_EQ(rt.reducer().pendingTasks(), 0u);
+  EXPECT_TRUE(at::equal(target, at::full({3}, 2.0f)));
 }
 
 TEST_F(RuntimeFixture, GradientCopiesWaitForTheFlushAndThenLetGo) {

@@ -73,6 +73,9 @@ class Runtime {
   void invalidateAllGathered();
 
   void startBackward(bool update_step);
+  // The end of graph `graph_id`'s backward (dc.end_backward): flushes every queued reduction and
+  // orders the compute stream after them, without blocking the host.
+  void endBackward(GraphId graph_id, bool release_reduce_buckets);
   bool updateStep() const { return update_step_; }
   bool profiling = false;
 
