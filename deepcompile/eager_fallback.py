@@ -29,7 +29,8 @@ def gather_full_copy(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
     A copy, because the caller may keep it (autograd until backward, a state dict for good) long
     after the runtime's buffer is released, or re-filled for persistent parameters.
     """
-    gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)  # ready to read
+    gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
+    gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
     full = gathered.detach().clone()
     torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
     return full

@@ -398,38 +398,18 @@ def test_prefetch_then_allgather(dist_world_size):
     run_distributed(_body_prefetch, dist_world_size)
 
 
-def _body_allgather_result_is_ready(ctx):
-    """allgather_param's result can be read right away, with no wait_allgather (the ZeRO-3 pass
-    emits none): the op orders the compute stream (on CPU: the host) after the gather, both for
-    a fresh gather and for one a prefetch started. Large parameters, so a gather still in flight
-    would be caught reading incomplete data."""
-    specs = [(0, (2048, 1024), torch.float32), (1, (1024, 2048), torch.bfloat16), (2, (4099,), torch.float32)]
-    fulls, shards = setup_z3(ctx, specs)
-    ids = [s[0] for s in specs]
-    for round_ in range(3):
-        ops.prefetch_params_fused(GRAPH, [shards[i] for i in ids[:2]], ids[:2])
-        for i in ids:  # 0 and 1 prefetched, 2 gathered fresh
-            out = ops.allgather_param(shards[i], GRAPH, i)
-            assert torch.equal(out, fulls[i]), f"round {round_}, ds_id {i}: read before the gather landed"
-            ops.release_param(out, GRAPH, i, 1)
-            assert not runtime.is_gathered(i)
-
-
-def test_allgather_result_is_ready_without_wait(dist_world_size):
-    run_distributed(_body_allgather_result_is_ready, dist_world_size)
-
-
 def _body_gather_state_is_shared_across_graphs(ctx):
     """A gather started by one graph (a prefetch) or outside any graph (``set_persistent``) is
-    read by another graph: it gets that buffer, ready to read. DS gap 10: DeepSpeed keeps the
-    gather's event per executor, so a graph other than the one that gathered did not wait for it."""
+    used by another graph: its gather and wait get that buffer, complete. DS gap 10: DeepSpeed
+    keeps the gather's event per executor, so a graph other than the one that gathered did not
+    wait for it. Large parameters, so reading a gather still in flight would show."""
     specs = [(0, (2048, 1024), torch.float32), (1, (1024, 2049), torch.float32)]
     fulls, shards = setup_z3(ctx, specs)
     runtime.register_graph(GRAPH2, [0, 1], 3)
     for round_ in range(3):
-        # Gathered by GRAPH's prefetch, read in GRAPH2 with no wait in between.
+        # Gathered by GRAPH's prefetch, waited on and read in GRAPH2.
         ops.prefetch_params_fused(GRAPH, [shards[0]], [0])
-        out = ops.allgather_param(shards[0], GRAPH2, 0)
+        out = gather(shards[0], GRAPH2, 0)
         assert torch.equal(out, fulls[0]), f"round {round_}: GRAPH2 read GRAPH's gather before it landed"
         assert same_storage(out, runtime.gathered_buffer(0)), f"round {round_}: GRAPH2 gathered a second copy"
         ops.release_param(out, GRAPH2, 0, 1)
@@ -437,7 +417,7 @@ def _body_gather_state_is_shared_across_graphs(ctx):
     # Gathered by set_persistent (outside any graph), read by both graphs.
     runtime.set_persistent(1)
     for graph in (GRAPH, GRAPH2):
-        out = ops.allgather_param(shards[1], graph, 1)
+        out = gather(shards[1], graph, 1)
         assert torch.equal(out, fulls[1]), f"graph {graph}: persistent gather read before it landed"
         ops.release_param(out, graph, 1, 1)
         assert runtime.is_gathered(1)

@@ -110,10 +110,10 @@ LATENCY_BOUND = CommModel([(64, 1.0), (1024, 1.0), (1 << 20, 1024.0)])
 BANDWIDTH_BOUND = CommModel([(4, 1.0), (1 << 20, float(1 << 18))])
 
 
-def _no_use_before_gather(gm):
-    """Every parameter is read only through its gather, and prefetches precede gathers."""
+def _no_use_before_wait(gm):
+    """Every reader of a gathered parameter comes after its wait, and prefetches precede gathers."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    gathered = {n.args[2] for n in gm.graph.nodes if n.target is dc.allgather_param.default}
+    waits = {n.args[2]: n for n in gm.graph.nodes if n.target is dc.wait_allgather.default}
     for n in gm.graph.nodes:
         if n.target is dc.prefetch_params_fused.default:
             for ds_id in n.args[2]:
@@ -122,7 +122,7 @@ def _no_use_before_gather(gm):
         for a in n.all_input_nodes:
             if a.op == "placeholder" and n.target not in (dc.allgather_param.default, dc.prefetch_params_fused.default):
                 idx = [p for p in gm.graph.nodes if p.op == "placeholder"].index(a)
-                assert idx not in gathered, f"{n} reads parameter {a} without its gather"
+                assert idx not in waits, f"{n} reads parameter {a} without its gather"
 
 
 def test_guided_prefetch_fuses_latency_bound_gathers_and_keeps_dtypes():
@@ -132,7 +132,7 @@ def test_guided_prefetch_fuses_latency_bound_gathers_and_keeps_dtypes():
     apply_prefetch(gm, 3, plan)
     (pf,) = [n for n in gm.graph.nodes if n.target is dc.prefetch_params_fused.default]
     assert pf.args[2] == [0, 1, 2] and pf.kwargs["dtypes"] == [torch.float32, torch.bfloat16, torch.float32]
-    _no_use_before_gather(gm)
+    _no_use_before_wait(gm)
 
 
 def test_guided_prefetch_does_not_fuse_bandwidth_bound_gathers():
@@ -141,7 +141,7 @@ def test_guided_prefetch_does_not_fuse_bandwidth_bound_gathers():
     assert [len(g.gathers) for g in plan.groups] == [1, 1, 1]
     assert all(g.ahead for g in plan.groups)
     apply_prefetch(gm, 3, plan)
-    _no_use_before_gather(gm)
+    _no_use_before_wait(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     gathers = {n.args[2]: n for n in gm.graph.nodes if n.target is dc.allgather_param.default}
     prefetch = {n.args[2][0]: n for n in gm.graph.nodes if n.target is dc.prefetch_params_fused.default}
@@ -166,7 +166,7 @@ def test_guided_prefetch_respects_the_memory_budget():
         if not g.ahead:
             assert g.launch_before == g.gathers[0].node.name
     apply_prefetch(gm, 3, tight)
-    _no_use_before_gather(gm)
+    _no_use_before_wait(gm)
 
 
 def test_persistent_parameters_are_still_prefetched_but_cost_no_budget():

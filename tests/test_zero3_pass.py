@@ -35,12 +35,12 @@ def test_gather_before_first_use_and_release_after_last_use():
     for param, ds_id in params.items():
         (gather,) = [u for u in param.users]  # the placeholder now feeds only its gather
         assert gather.target is dc.allgather_param.default and gather.args[1:3] == (7, ds_id)
-        # The gather's result is ready for compute: readers use it directly, with no wait op.
-        assert not any(n.target is dc.wait_allgather.default for n in gm.graph.nodes)
+        (wait,) = list(gather.users)
+        assert wait.target is dc.wait_allgather.default
         releases = [n for n in gm.graph.nodes if n.target is dc.release_param.default and n.args[2] == ds_id]
         assert len(releases) == 1 and releases[0].args[3] == 1
         readers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not dc.release_param.default
-                   and any(a is gather or (isinstance(a, torch.fx.Node) and a.args and a.args[0] is gather) for a in n.args)]
+                   and any(a is wait or (isinstance(a, torch.fx.Node) and a.args and a.args[0] is wait) for a in n.args)]
         assert all(order[r] < order[releases[0]] for r in readers)
         # Nothing reads the gathered value (or a view of it) after its release.
         assert order[gather] < min(order[r] for r in readers)
@@ -165,10 +165,10 @@ def test_runtime_ops_leave_pointwise_regions_whole():
     insert_gather_release(gm, graph_id=2, params=params)
     order = _order(gm)
     w1, w_norm, w2 = params
-    (gather_norm,) = [n for n in gm.graph.nodes if n.target is dc.allgather_param.default and n.args[2] == params[w_norm]]
+    (wait_norm,) = [n for n in gm.graph.nodes if n.target is dc.wait_allgather.default and n.args[2] == params[w_norm]]
     x = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     (residual,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and x in n.all_input_nodes]
-    assert order[gather_norm] < order[residual], "the norm weight's gather splits the region before it"
+    assert order[wait_norm] < order[residual], "the norm weight's wait splits the region before it"
     releases = {n.args[2]: n for n in gm.graph.nodes if n.target is dc.release_param.default}
     norm_anchor = _release_source(releases[params[w_norm]])
     assert norm_anchor.target is torch.ops.aten.mm.default

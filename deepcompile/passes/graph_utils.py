@@ -117,10 +117,10 @@ def first_library_call_reading(node: Node) -> Optional[Node]:
 
 def gather_point(node: Node) -> Node:
     """Where to start gathering a parameter first read by ``node``: right after the library call
-    (or last placeholder) before it, rather than right before ``node``. The ops in between do not
-    depend on the gather, but Inductor does not fuse generated kernels across a fallback call, so a
-    gather right before ``node`` would split the pointwise region ``node`` is part of (e.g. a
-    residual add from the RMSNorm after it)."""
+    (or last placeholder) before it, rather than right before ``node``. Ops between the gather and
+    the wait do not depend on them, but Inductor does not fuse generated kernels across these
+    fallback calls, so a wait right before ``node`` would split the pointwise region ``node`` is
+    part of (e.g. a residual add from the RMSNorm after it)."""
     point = node
     while point.prev.op != "root" and point.prev.op != "placeholder" and not is_library_call(point.prev):
         point = point.prev

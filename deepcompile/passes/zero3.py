@@ -2,13 +2,10 @@
 
 Forward and backward graphs get, for every partitioned parameter placeholder with users:
 
-    full = dc.allgather_param(param, graph_id, ds_id, dtype)   # before the first use
-    ...                                                        # every use now reads `full`
+    ag   = dc.allgather_param(param, graph_id, ds_id, dtype)   # before the first use
+    full = dc.wait_allgather(ag, graph_id, ds_id)               # every use now reads `full`
+    ...
     out  = dc.release_param(last_use_output, graph_id, ds_id, 1)  # after the last use
-
-``allgather_param`` returns the parameter ready for the compute stream (it waits on the gather's
-event itself), so the pass emits no ``dc.wait_allgather``: DeepSpeed's graphs call one right after
-every gather, one more op call per parameter and graph on the host for the same wait.
 
 The release takes the last user's output, so data dependencies (not only node order) keep it
 after that use. Inductor fuses no generated kernel across these ops, so they sit at library calls
@@ -77,13 +74,15 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
         dtype = _fused_cast_dtype(param)
         cast = first if dtype is not None else None
         with graph.inserting_before(gather_point(first)):
-            full = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
-        full.meta["val"] = param.meta["val"].to(dtype) if dtype is not None else param.meta["val"]
+            gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
+            full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
+        gathered.meta["val"] = param.meta["val"].to(dtype) if dtype is not None else param.meta["val"]
+        full.meta["val"] = gathered.meta["val"]
         if cast is not None:
             cast.replace_all_uses_with(full)
             graph.erase_node(cast)
         else:
-            for user in [u for u in param.users if u.op != "output" and u is not full]:
+            for user in [u for u in param.users if u.op != "output" and u is not gathered]:
                 user.replace_input_with(param, full)
 
         aliases = alias_closure(full)
