@@ -7,6 +7,8 @@ from typing import Dict, Iterable, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
 
 def _dc_alias_ops():
     return (torch.ops.dc.wait_allgather.default, torch.ops.dc.release_param.default)
@@ -138,3 +140,75 @@ def tensor_result(node: Node) -> Optional[Node]:
                 if isinstance(user.meta.get("val"), torch.Tensor):
                     return user
     return None
+
+
+def _layout(value) -> Optional[tuple]:
+    """Sizes, strides and dtypes of every tensor in ``value``, as text: symbolic sizes compare by
+    expression without adding guards."""
+    leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+    if not leaves:
+        return None
+    return tuple((tuple(map(str, t.shape)), tuple(map(str, t.stride())), t.dtype) for t in leaves)
+
+
+def _creates_symbols(target) -> bool:
+    """Ops whose output sizes depend on data: re-running them on fake tensors would mint new
+    unbacked symbols the graph does not bind."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+
+
+def refresh_layouts(graph: Graph, changed: Iterable[Node]) -> int:
+    """Recompute the fake value (``meta["val"]``) of every node whose input layout changed.
+
+    The ZeRO-3 pass replaces a parameter input, traced as a stride-0 placeholder, by a contiguous
+    gathered tensor. Nodes derived from it (``permute(weight)`` ...) still carry the placeholder's
+    strides, and Inductor reads those: a fallback or custom op (e.g. transformers' grouped-mm
+    expert kernel) gets its argument copied into the traced layout, a stride-0 tensor of one
+    element. Values are recomputed in graph order from the inputs' updated values, and only where
+    the layout differs is the new value kept (the old one, and its symbols, stay otherwise).
+    Operators that need their inputs' exact strides (custom ops by default) get their recorded
+    eager inputs (``meta["eager_input_vals"]``, which Inductor constrains those inputs to) updated
+    the same way. Returns the number of nodes whose value was updated.
+    """
+    changed = set(changed)
+    updated = 0
+    for node in graph.nodes:
+        if node in changed or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if not any(a in changed for a in node.all_input_nodes):
+            continue
+        _refresh_eager_input_vals(node, changed)
+        if _creates_symbols(node.target):
+            continue
+        if any("val" not in a.meta for a in node.all_input_nodes):
+            continue
+        args, kwargs = pytree.tree_map_only(Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+        try:
+            value = node.target(*args, **kwargs)  # fake inputs: runs the op's fake/meta kernel
+        except Exception:  # an op without a fake kernel for these inputs keeps its traced value
+            continue
+        if _layout(value) != _layout(node.meta.get("val")):
+            node.meta["val"] = value
+            changed.add(node)
+            updated += 1
+    return updated
+
+
+def _refresh_eager_input_vals(node: Node, changed: Set[Node]) -> None:
+    """Point the eager input values recorded for ``node`` at the current values of its changed
+    inputs. They were recorded from ``node``'s arguments at trace time, position for position."""
+    recorded = node.meta.get("eager_input_vals")
+    if recorded is None:
+        return
+    old_args, old_kwargs = recorded
+    if len(old_args) != len(node.args) or set(old_kwargs) != set(node.kwargs):
+        return  # rewritten since it was traced: leave Inductor's constraint as it is
+
+    def current(arg, old):
+        return arg.meta["val"] if isinstance(arg, Node) and arg in changed else old
+
+    node.meta["eager_input_vals"] = (
+        tuple(current(a, o) for a, o in zip(node.args, old_args)),
+        {k: current(v, old_kwargs[k]) for k, v in node.kwargs.items()},
+    )

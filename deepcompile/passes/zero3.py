@@ -37,6 +37,7 @@ from deepcompile.passes.graph_utils import (
     is_library_call,
     last_user,
     reaches_output,
+    refresh_layouts,
     tensor_result,
 )
 
@@ -67,6 +68,7 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
     """
     graph = gm.graph
     kept = 0
+    gathered_values: List[Node] = []
     for param, ds_id in params.items():
         first = first_user(graph, param)
         if first is None:
@@ -76,8 +78,11 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
         with graph.inserting_before(gather_point(first)):
             gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
             full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
-        gathered.meta["val"] = param.meta["val"].to(dtype) if dtype is not None else param.meta["val"]
+        # What the gather returns: contiguous, unlike the stride-0 placeholder that was traced.
+        traced = param.meta["val"]
+        gathered.meta["val"] = traced.new_empty(traced.shape, dtype=dtype or traced.dtype)
         full.meta["val"] = gathered.meta["val"]
+        gathered_values.append(full)
         if cast is not None:
             cast.replace_all_uses_with(full)
             graph.erase_node(cast)
@@ -101,6 +106,7 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
             released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, 1))
         released.meta["val"] = anchor.meta.get("val")
         anchor.replace_all_uses_with(released, delete_user_cb=lambda u: u is not released)
+    refresh_layouts(graph, gathered_values)
     graph.lint()
     return kept
 
