@@ -104,6 +104,20 @@ def tiny_llama():
     return LlamaForCausalLM(cfg)
 
 
+def tiny_qwen2_moe():
+    """Qwen2-MoE with every expert kernel transformers picks for it: on CPU/fp32 its grouped-mm
+    fallback, a custom op that needs its inputs' exact strides and takes a view of a parameter."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=61, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
 class LlamaLoss(nn.Module):
     def __init__(self):
         super().__init__()
@@ -111,6 +125,12 @@ class LlamaLoss(nn.Module):
 
     def forward(self, tokens, targets):
         return self.model(input_ids=tokens, labels=targets).loss
+
+
+class Qwen2MoeLoss(LlamaLoss):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.model = tiny_qwen2_moe()
 
 
 MODELS: Dict[str, Callable[[], nn.Module]] = {
@@ -121,8 +141,9 @@ MODELS: Dict[str, Callable[[], nn.Module]] = {
     "tied": TiedEmbeddingLM,
     "lora": LoRAMLP,
     "llama": LlamaLoss,
+    "qwen2_moe": Qwen2MoeLoss,
 }
-TOKEN_MODELS = {"tied": 11, "llama": 61}
+TOKEN_MODELS = {"tied": 11, "llama": 61, "qwen2_moe": 61}
 
 
 def build_model(name: str, dtype=torch.float32, device="cpu") -> nn.Module:

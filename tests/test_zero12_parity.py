@@ -77,6 +77,12 @@ def test_zero12_parity(stage, name, backend):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_qwen2_moe_inductor(stage):
+    """The ZeRO-1/2 variants of the ZeRO-3 Qwen2-MoE regression (test_zero3_qwen2_moe)."""
+    run_distributed(_body, WORLD, args=("qwen2_moe", stage, "inductor", 4), timeout=900)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_gradient_accumulation_many_windows(stage):
     run_distributed(_body, WORLD, args=("mlp", stage, "eager", 16), kwargs={"gas": 4})
 

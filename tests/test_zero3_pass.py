@@ -176,3 +176,28 @@ def test_runtime_ops_leave_pointwise_regions_whole():
     # No pointwise node feeds a release (which would force it into memory and end the region).
     assert all(_release_source(r).target is torch.ops.aten.mm.default for r in releases.values())
 
+
+
+def test_gathered_layout_reaches_views_and_exact_stride_ops():
+    """The placeholder a parameter is traced as is expanded (stride 0); its gather is contiguous.
+    Views of the gathered value, and the eager inputs recorded for an op that needs exact input
+    strides (which Inductor copies its arguments into), must describe the contiguous tensor, else
+    the op reads one element repeated (seen with transformers' grouped-mm expert kernel)."""
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    grouped_mm = torch.ops.transformers.grouped_mm_fallback.default
+
+    def f(w, x, offs):
+        return grouped_mm(x, w.transpose(-2, -1), offs)
+
+    placeholder = torch.full((1, 1, 1), float("nan")).expand(3, 6, 5)  # (experts, out, in)
+    gm = _trace(f, placeholder, torch.randn(7, 5), torch.tensor([2, 5, 7], dtype=torch.int32))
+    (call,) = [n for n in gm.graph.nodes if n.target is grouped_mm]
+    traced_weight = call.args[1].meta["val"]
+    assert traced_weight.stride() == (0, 0, 0)  # what the pass has to correct
+    insert_gather_release(gm, graph_id=1, params=_params(gm, 1))
+    (call,) = [n for n in gm.graph.nodes if n.target is grouped_mm]
+    expected = torch.empty(3, 6, 5).transpose(-2, -1).stride()
+    assert call.args[1].meta["val"].stride() == expected
+    if "eager_input_vals" in call.meta:  # recorded for ops that need exact strides
+        assert call.meta["eager_input_vals"][0][1].stride() == expected
