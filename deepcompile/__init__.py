@@ -8,8 +8,9 @@
 from deepcompile import runtime  # noqa: F401  (loads the op library: torch.ops.dc.*)
 from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
+from deepcompile.leaf_modules import set_leaf_modules
 
-__all__ = ["Config", "Engine", "initialize", "runtime"]
+__all__ = ["Config", "Engine", "initialize", "runtime", "set_leaf_modules"]
 
 
 def _register_backend() -> None:

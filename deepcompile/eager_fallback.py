@@ -12,11 +12,13 @@ gradient is reduced into the parameter's partition through the runtime like any 
 
 from __future__ import annotations
 
-from typing import Dict, List, Set
+import contextlib
+from typing import ContextManager, Dict, List, Set
 
 import torch
 import torch.nn as nn
 
+from deepcompile import leaf_modules
 from deepcompile.zero.partition import ShardedParam
 
 # Graph id of the executor that serves eager gathers and reductions; compiled graphs get ids >= 1.
@@ -46,6 +48,23 @@ class _GatherForEager(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ctx.ds_id)
         return None, None
+
+
+class _GatherLeafForEager(torch.autograd.Function):
+    """All parameters of a leaf module, gathered together; the backward reduces a gradient for
+    every trainable one (zero where this rank did not use it), in the same order on every rank."""
+
+    @staticmethod
+    def forward(ctx, ds_ids, trainable, *placeholders: torch.Tensor):
+        ctx.ds_ids, ctx.trainable = ds_ids, trainable
+        return tuple(gather_full_copy(p, ds_id) for p, ds_id in zip(placeholders, ds_ids))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        for ds_id, trainable, grad in zip(ctx.ds_ids, ctx.trainable, grads):
+            if trainable:
+                torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ds_id)
+        return (None, None) + (None,) * len(grads)
 
 
 class EagerGatherHooks:
@@ -87,6 +106,26 @@ class EagerGatherHooks:
             return
         for name, p in stack.pop().items():
             module._parameters[name] = p
+
+    def leaf_scope(self, leaf: nn.Module) -> ContextManager[None]:
+        """Gathers every partitioned parameter below ``leaf`` at once (leaf_modules.py)."""
+        entries = [e for e in leaf_modules.leaf_parameters(leaf) if id(e[2]) in self._by_param]
+        if not entries:
+            return contextlib.nullcontext()
+        entries.sort(key=lambda e: self._by_param[id(e[2])].ds_id)  # one order on every rank
+        sps = [self._by_param[id(p)] for _, _, p in entries]
+        ids = tuple(sp.ds_id for sp in sps)
+        if torch.is_grad_enabled() and any(sp.param.requires_grad for sp in sps):
+            fulls = _GatherLeafForEager.apply(ids, tuple(sp.param.requires_grad for sp in sps),
+                                              *[sp.param for sp in sps])
+        else:
+            with torch.no_grad():
+                fulls = _GatherLeafForEager.apply(ids, (False,) * len(ids), *[sp.param for sp in sps])
+        self.gathered_ids.update(ids)
+        full_of = {id(sp.param): full for sp, full in zip(sps, fulls)}
+        owners = [(owner, name, p) for owner in leaf.modules() for name, p in owner._parameters.items()
+                  if p is not None and id(p) in full_of]
+        return leaf_modules.substituted(owners, [full_of[id(p)] for _, _, p in owners])
 
     def remove(self) -> None:
         for h in self._handles:

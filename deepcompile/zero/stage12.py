@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import runtime
+from deepcompile import leaf_modules, runtime
 from deepcompile.eager_fallback import EAGER_GRAPH_ID
 
 
@@ -86,6 +86,7 @@ class Zero12Sharding:
             p.register_post_accumulate_grad_hook(self._reduce_eager_grad)
             for g in self.groups for p in g.params
         ]
+        leaf_modules.install_scope(model, leaf_modules.replicated_scope)
 
     def _reduce_eager_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # compiled graphs reduce in-graph and hand autograd None

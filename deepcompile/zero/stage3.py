@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import runtime
+from deepcompile import leaf_modules, runtime
 from deepcompile.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.partition import ShardedParam, partition_parameters
@@ -34,6 +34,7 @@ class Zero3Sharding:
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
         self.eager = EagerGatherHooks(model, self.params)
+        leaf_modules.install_scope(model, self.eager.leaf_scope)
 
     def before_backward(self, boundary: bool) -> None:
         pass
