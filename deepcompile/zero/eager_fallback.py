@@ -17,6 +17,7 @@ from typing import Dict, List, Set
 import torch
 import torch.nn as nn
 
+from deepcompile import compat
 from deepcompile.zero.partition import ShardedParam
 
 # Graph id of the executor that serves eager gathers and reductions; compiled graphs get ids >= 1.
@@ -54,10 +55,9 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
-        self.reduced_eagerly = False
         self._handles = []
         for sub in module.modules():
-            if any(id(p) in self._by_param for p in sub._parameters.values() if p is not None):
+            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None):
                 self._handles.append(sub.register_forward_pre_hook(self._gather))
                 self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
 
@@ -65,18 +65,17 @@ class EagerGatherHooks:
         if torch.compiler.is_compiling():
             return
         originals = {}
-        for name, p in module._parameters.items():
+        for name, p in list(compat.direct_parameters(module).items()):
             sp = self._by_param.get(id(p)) if p is not None else None
             if sp is None:
                 continue
             originals[name] = p
             if torch.is_grad_enabled() and p.requires_grad:
                 full = _GatherForEager.apply(p, sp.ds_id)
-                self.reduced_eagerly = True
             else:
                 with torch.no_grad():
                     full = _GatherForEager.apply(p, sp.ds_id)
-            module._parameters[name] = full
+            compat.swap_parameter(module, name, full)
             self.gathered_ids.add(sp.ds_id)
         if originals:
             module.__dict__.setdefault("_dc_originals", []).append(originals)
@@ -86,7 +85,7 @@ class EagerGatherHooks:
         if torch.compiler.is_compiling() or not stack:
             return
         for name, p in stack.pop().items():
-            module._parameters[name] = p
+            compat.swap_parameter(module, name, p)
 
     def remove(self) -> None:
         for h in self._handles:
