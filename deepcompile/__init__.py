@@ -6,22 +6,11 @@
 """
 
 from deepcompile import runtime  # noqa: F401  (loads the op library: torch.ops.dc.*)
+from deepcompile import compat
+from deepcompile.compiler.compiled_module import deepcompile_backend
 from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
 
 __all__ = ["Config", "Engine", "initialize", "runtime"]
 
-
-def _register_backend() -> None:
-    import torch._dynamo
-    from torch._dynamo.backends.registry import lookup_backend
-
-    from deepcompile.compiler.backend import deepcompile_backend
-
-    try:
-        lookup_backend("deepcompile")
-    except Exception:  # not registered yet (the entry point registers it lazily by name)
-        torch._dynamo.register_backend(name="deepcompile")(deepcompile_backend)
-
-
-_register_backend()
+compat.register_backend("deepcompile", deepcompile_backend)
