@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch.fx import GraphModule, Node
