@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # a tensor field: no element-wise ==
 class ParamShard:
     """This rank's piece of one partitioned parameter."""
 
