@@ -6,23 +6,12 @@
 """
 
 from deepcompile import runtime  # noqa: F401  (loads the op library: torch.ops.dc.*)
+from deepcompile import compat
+from deepcompile.compiler.compiled_module import deepcompile_backend
 from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
-from deepcompile.leaf_modules import set_leaf_modules
+from deepcompile.zero.leaf_modules import set_leaf_modules
 
 __all__ = ["Config", "Engine", "initialize", "runtime", "set_leaf_modules"]
 
-
-def _register_backend() -> None:
-    import torch._dynamo
-    from torch._dynamo.backends.registry import lookup_backend
-
-    from deepcompile.compiler.backend import deepcompile_backend
-
-    try:
-        lookup_backend("deepcompile")
-    except Exception:  # not registered yet (the entry point registers it lazily by name)
-        torch._dynamo.register_backend(name="deepcompile")(deepcompile_backend)
-
-
-_register_backend()
+compat.register_backend("deepcompile", deepcompile_backend)

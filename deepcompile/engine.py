@@ -1,5 +1,10 @@
 """The training engine: ``initialize`` partitions a model and optimizer, ``Engine`` runs the
-DeepSpeed-style loop ``loss = engine(batch); engine.backward(loss); engine.step()``."""
+DeepSpeed-style loop ``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+The engine only sequences a step. What it drives lives elsewhere: the stage's partitions and
+optimizer (``zero/``, behind ``zero.sharding.Sharding``), compiling and recompiling the module
+(``compiler/compiled_module.py``) and the pass schedule (``scheduling/driver.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import runtime
+from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
-from deepcompile.eager_fallback import EAGER_GRAPH_ID
+from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
+from deepcompile.scheduling.schedule import PassSchedule
+from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
-
-_BACKENDS = ("inductor", "eager")
-_ACTIVE: Optional["Engine"] = None
 
 
 def _check_implemented(config: Config) -> None:
@@ -30,14 +35,12 @@ def _check_implemented(config: Config) -> None:
                       f"{config.zero_optimization.stage}", stacklevel=3)
 
 
-def active_engine() -> "Engine":
-    """The engine created last by ``initialize`` (and not destroyed)."""
-    if _ACTIVE is None:
-        raise RuntimeError(
-            "the 'deepcompile' backend needs an engine: call deepcompile.initialize(model, optimizer, config) "
-            "before torch.compile(model, backend='deepcompile')"
-        )
-    return _ACTIVE
+def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
+                   group: dist.ProcessGroup) -> Sharding:
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        return Zero3Sharding(model, optimizer, config, group)
+    return Zero12Sharding(model, optimizer, config, group, stage)
 
 
 class Engine:
@@ -54,66 +57,26 @@ class Engine:
         _check_implemented(config)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
-        if self.stage == 3:
-            self.sharding = Zero3Sharding(model, optimizer, config, self.group)
-        else:
-            self.sharding = Zero12Sharding(model, optimizer, config, self.group, self.stage)
+        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group)
         self.optimizer = self.sharding.optimizer
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
-        self._compiled: Optional[nn.Module] = None
-        self._graphs = None  # set by compile()
-        self._compile_args: Optional[tuple] = None
-        self._backends: Dict[str, Any] = {}
-        self._retired_backends: List[Any] = []
-        self._warned_string_backend = False
-        self.scheduler = ScheduleDriver(self)
-        global _ACTIVE
-        _ACTIVE = self
-
-    # ---- compile ------------------------------------------------------------------------------
+        self.scheduler = ScheduleDriver(
+            config.compile, PassSchedule.from_config(config),
+            prefetch_bucket_numel=config.zero_optimization.stage3_prefetch_bucket_size,
+            stage=self.stage, group=self.group, device=self.device, rank=self.rank,
+            accumulation_steps=self.gradient_accumulation_steps,
+            resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
+        )
+        self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank)
+        self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
 
     def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> "Engine":
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        self._compile_args = (backend, dict(torch_compile_kwargs))
-        self._graphs = self.backend_for(backend)
-        self._compiled = torch.compile(self.module, backend=self._graphs, **torch_compile_kwargs)
+        self._compiled = self.compiled_module.compile(backend, **torch_compile_kwargs)
         return self
-
-    def _recompile(self) -> None:
-        """The schedule switched plans: compile the module again with a fresh backend.
-
-        Dynamo keys its cache by backend, so the new wrapper traces afresh while nothing else is
-        reset. Code compiled through ``torch.compile(module, backend="deepcompile")`` cannot be
-        re-planned this way: it keeps its graphs (selective unsharding still applies).
-        """
-        string_backend_used = any(b is not self._graphs for b in self._backends.values())
-        self._retired_backends.extend(self._backends.values())  # their graphs may still run
-        self._backends = {}
-        if self._compile_args is not None:
-            backend, kwargs = self._compile_args
-            self._graphs = self.backend_for(backend)
-            self._compiled = torch.compile(self.module, backend=self._graphs, **kwargs)
-        if string_backend_used and not self._warned_string_backend and self.rank == 0:
-            self._warned_string_backend = True
-            warnings.warn(
-                "deepcompile: the pass schedule switched to '" + self.scheduler.applied.describe() + "', but code "
-                "compiled with torch.compile(..., backend='deepcompile') keeps its graphs (only selective "
-                "unsharding applies there); use engine.compile() for prefetch re-planning",
-                stacklevel=3,
-            )
-
-    def backend_for(self, inner: str):
-        """The deepcompile backend of this engine with ``inner`` as the final compiler."""
-        if inner not in self._backends:
-            from deepcompile.compiler.backend import make_backend
-
-            self._backends[inner] = make_backend(self, inner=inner)
-        return self._backends[inner]
 
     # ---- training loop ------------------------------------------------------------------------
 
@@ -124,14 +87,14 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.scheduler.begin_micro_step(self.micro_steps % self.gradient_accumulation_steps == 0)
+        self.scheduler.begin_micro_step(self.global_steps,
+                                        first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
+                                        can_profile=self.compiled_module.has_backends)
         module = self._compiled if self._compiled is not None else self.module
         return module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        boundary = self.is_gradient_accumulation_boundary()
-        self.sharding.before_backward(boundary)
-        runtime.start_backward(boundary)
+        self.sharding.start_backward(self.is_gradient_accumulation_boundary())
         try:
             (loss / self.gradient_accumulation_steps).backward()
         finally:
@@ -147,8 +110,10 @@ class Engine:
             return
         self.sharding.step(self.config.gradient_clipping)
         self.global_steps += 1
-        if self.scheduler.on_optimizer_step():
-            self._recompile()
+        if self.scheduler.on_optimizer_step(self.global_steps):
+            recompiled = self.compiled_module.recompile()
+            if recompiled is not None:
+                self._compiled = recompiled
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the profile-guided passes decided at the last schedule switch ({} before any)."""
@@ -168,20 +133,13 @@ class Engine:
         return self.sharding.full_state_dict()
 
     def destroy(self) -> None:
-        global _ACTIVE
-        from deepcompile.compiler.backend import detach_backend
-
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut
         # every path from it to the engine's tensors.
         self.scheduler.close()
-        for backend in [*self._backends.values(), *self._retired_backends]:
-            detach_backend(backend)
-        self._backends, self._retired_backends = {}, []
-        self._compiled = self._graphs = None
+        self.compiled_module.close()
+        self._compiled = None
         self.sharding.close()
         runtime.cleanup()
-        if _ACTIVE is self:
-            _ACTIVE = None
 
 
 def initialize(

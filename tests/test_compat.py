@@ -1,7 +1,7 @@
-"""The torch internals deepcompile relies on (all used from deepcompile/compat.py).
+"""The torch internals deepcompile relies on: one check per name ``deepcompile.compat`` exports.
 
-These fail loudly when a torch upgrade moves or removes something, instead of letting gradients
-silently disappear from compiled graphs.
+These fail loudly, in a test named after the cause, when a torch upgrade moves or removes
+something, instead of letting gradients silently disappear from compiled graphs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ def test_supported_torch_version():
     assert compat.TORCH_VERSION >= (2, 11), torch.__version__
 
 
-def test_ops_are_side_effectful_for_fx_and_inductor():
+def test_every_export_has_a_check():
+    """Each name compat exports is exercised by a test below (named test_<name>...)."""
+    names = {name.lower() for name in compat.__all__}
+    tested = " ".join(name for name in globals() if name.startswith("test_"))
+    missing = sorted(n for n in names if n.strip("_") not in tested)
+    assert not missing, f"compat exports without a check in tests/test_compat.py: {missing}"
+
+
+def test_mark_ops_side_effectful_for_fx_and_inductor():
     compat.mark_ops_side_effectful()
     from torch.fx.node import _side_effectful_functions
 
@@ -34,7 +42,7 @@ def test_ops_are_side_effectful_for_fx_and_inductor():
     assert is_impure(torch.ops.dc.reduce_grad.default)
 
 
-def test_inductor_lowerings_protect_runtime_buffers():
+def test_protect_runtime_buffers_in_inductor_registers_lowerings():
     compat.protect_runtime_buffers_in_inductor()
     from torch._inductor.graph import GraphLowering
     from torch._inductor.lowering import lowerings
@@ -99,3 +107,247 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
         assert op in code, f"{op} missing from Inductor's output"
     engine.destroy()
     torch._dynamo.reset()
+
+
+# ---- aot_autograd -----------------------------------------------------------------------------
+
+
+class _AotRun:
+    """One torch.compile of ``f(w, x, b) = sum(bf16(x) @ bf16(w).T + b)`` through
+    ``compat.aot_backend`` (``w`` and ``x`` need gradients, ``b`` does not), with compilers that
+    record what aot_autograd hands them. ``mark`` marks the cast of ``w`` in the joint graph as
+    must-recompute."""
+
+    def __init__(self, mark: bool):
+        self.dynamo_shapes = None  # shapes of Dynamo's graph inputs, in its order
+        self.joint_primals = None
+        self.fw_inputs = None
+        self.bw_saved = None
+        self.bw_outputs = None
+        self.fw_saved = None  # (shape, dtype) of the tensors the forward saves for backward
+        self.boxed_args = []
+
+        def partition(joint, joint_inputs, **kwargs):
+            self.joint_primals = compat.joint_primal_inputs(joint)
+            if mark:
+                w = self.joint_primals[self.w_index]
+                casts = [n for n in joint.graph.nodes if n.op == "call_function" and n.args
+                         and n.args[0] is w and "to_copy" in str(n.target)]
+                assert casts, "no cast of w in the joint graph"
+                compat.mark_must_recompute(joint, casts)
+            return compat.min_cut_partition(joint, joint_inputs, **kwargs)
+
+        def fw(gm, inputs):
+            self.fw_inputs = compat.forward_inputs(gm)
+            out = gm.graph.output_node().args[0]
+            self.fw_saved = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in out[1:]
+                             if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+            return self._half(gm)
+
+        def bw(gm, inputs):
+            names = {n.name: i for i, n in enumerate(self.fw_inputs)}
+            self.bw_saved = compat.saved_forward_inputs(gm, names)
+            self.bw_outputs = list(gm.graph.output_node().args[0])
+            return self._half(gm)
+
+        aot = compat.aot_backend(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
+
+        def backend(gm, example_inputs):
+            self.dynamo_shapes = [tuple(t.shape) for t in example_inputs]
+            self.w_index = self.dynamo_shapes.index((3, 4))
+            return aot(gm, example_inputs)
+
+        def f(w, x, b):
+            return ((x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float() + b).sum()
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        self.w = torch.randn(3, 4, requires_grad=True)
+        x = torch.randn(2, 4, requires_grad=True)
+        b = torch.randn(2, 3)
+        torch.compile(f, backend=backend, fullgraph=True)(self.w, x, b).backward()
+        reference = self.w.detach().clone().requires_grad_(True)
+        f(reference, x.detach(), b).backward()
+        self.expected_grad = reference.grad
+        torch._dynamo.reset()
+
+    def _half(self, gm):
+        run = self
+
+        class Half:
+            def __call__(self, *args):
+                run.boxed_args.append(len(args) == 1 and isinstance(args[0], list))
+                return gm.forward(*args[0])
+
+        half = Half()
+        compat.mark_boxed(half)
+        return half
+
+
+@pytest.fixture(scope="module")
+def aot_run():
+    return _AotRun(mark=True)
+
+
+def test_aot_backend_compiles_both_halves(aot_run):
+    assert aot_run.fw_inputs is not None and aot_run.bw_outputs is not None
+    torch.testing.assert_close(aot_run.w.grad, aot_run.expected_grad)
+
+
+def test_mark_boxed_makes_aot_autograd_pass_one_list(aot_run):
+    assert aot_run.boxed_args and all(aot_run.boxed_args)
+
+
+def test_boxed_takes_one_argument_list():
+    seen = []
+    fn = compat.boxed(lambda a, b: seen.append((a, b)) or a + b)
+    assert fn([1, 2]) == 3 and seen == [(1, 2)]
+
+
+def test_joint_primal_inputs_are_the_graph_inputs_in_order(aot_run):
+    assert [tuple(n.meta["val"].shape) for n in aot_run.joint_primals] == aot_run.dynamo_shapes
+
+
+def test_forward_inputs_are_the_graph_inputs_in_order(aot_run):
+    assert [tuple(n.meta["val"].shape) for n in aot_run.fw_inputs] == aot_run.dynamo_shapes
+
+
+def test_mark_must_recompute_and_min_cut_partition_save_the_input_not_its_cast(aot_run):
+    # The backward needs bf16(w) for x's gradient. Left alone the partitioner saves that cast (half
+    # the bytes of w); marked, it saves w itself and recomputes the cast in the backward.
+    unmarked = _AotRun(mark=False)
+    assert ((3, 4), torch.bfloat16) in unmarked.fw_saved, f"probe no longer discriminates: {unmarked.fw_saved}"
+    assert ((3, 4), torch.bfloat16) not in aot_run.fw_saved and ((3, 4), torch.float32) in aot_run.fw_saved
+
+
+def test_saved_forward_inputs_keep_their_names_in_the_backward(aot_run):
+    assert aot_run.w_index in aot_run.bw_saved.values(), "w is saved for backward but not found by name"
+
+
+def test_gradient_output_index_matches_backward_outputs(aot_run):
+    outputs = aot_run.bw_outputs
+    assert len(outputs) == 3  # one per forward input
+    for index, shape in enumerate(aot_run.dynamo_shapes):
+        grad = outputs[compat.gradient_output_index(index)]
+        if shape == (2, 3):
+            assert grad is None  # b needs no gradient
+        else:
+            assert isinstance(grad, torch.fx.Node) and tuple(grad.meta["val"].shape) == shape
+
+
+# ---- Inductor, Dynamo --------------------------------------------------------------------------
+
+
+def test_inductor_decompositions_is_an_op_table():
+    table = compat.inductor_decompositions()
+    assert table and all(callable(fn) for fn in table.values())
+    assert torch.ops.aten.gelu_backward.default in table or torch.ops.aten.addmm.default in table
+
+
+def test_inductor_compile_compiles_both_halves(monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    backend = compat.aot_backend(
+        fw_compiler=lambda gm, inputs: compat.inductor_compile(gm, inputs, is_backward=False),
+        bw_compiler=lambda gm, inputs: compat.inductor_compile(gm, inputs, is_backward=True),
+        partition_fn=compat.min_cut_partition,
+        decompositions=compat.inductor_decompositions(),
+    )
+    torch._dynamo.reset()
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    out = torch.compile(lambda w, x: torch.relu(x @ w.t()).sum(), backend=backend)(w, x)
+    out.backward()
+    reference = w.detach().clone().requires_grad_(True)
+    torch.relu(x @ reference.t()).sum().backward()
+    torch.testing.assert_close(out, torch.relu(x @ w.detach().t()).sum())
+    torch.testing.assert_close(w.grad, reference.grad)
+    torch._dynamo.reset()
+
+
+def test_register_backend_resolves_the_name_once():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def probe(gm, example_inputs):
+        return gm.forward
+
+    compat.register_backend("dc_compat_probe", probe)
+    compat.register_backend("dc_compat_probe", probe)  # registered already: no duplicate error
+    assert lookup_backend("dc_compat_probe") is probe
+    assert lookup_backend("deepcompile") is deepcompile.compiler.compiled_module.deepcompile_backend
+
+
+# ---- FX and operators --------------------------------------------------------------------------
+
+
+def test_is_op_overload_tells_operators_from_python_callables():
+    assert compat.is_op_overload(torch.ops.aten.mm.default)
+    assert not compat.is_op_overload(torch.add) and not compat.is_op_overload(torch.ops.aten.mm)
+
+
+def test_overload_packet_name_drops_namespace_and_overload():
+    assert compat.overload_packet_name(torch.ops.aten.mm.default) == "mm"
+    assert compat.overload_packet_name(torch.ops.aten.add.Tensor) == "add"
+
+
+def test_returns_view_of_input_reads_the_schema():
+    assert compat.returns_view_of_input(torch.ops.aten.t.default)
+    assert compat.returns_view_of_input(torch.ops.aten.expand.default)
+    assert not compat.returns_view_of_input(torch.ops.aten.mm.default)
+    assert not compat.returns_view_of_input(torch.ops.aten.add_.Tensor)  # writes: not a view
+
+
+@torch.library.custom_op("dc_compat_test::scale", mutates_args=())
+def _scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x * s
+
+
+@_scale.register_fake
+def _(x, s):
+    return torch.empty_like(x)
+
+
+def test_eager_input_vals_and_set_eager_input_vals_on_a_custom_op():
+    """Custom ops need exact strides by default, so tracing records their inputs' fake values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: _scale(x.t(), 2.0), tracing_mode="fake")(torch.randn(3, 4))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.dc_compat_test.scale.default)
+    recorded = compat.eager_input_vals(node)
+    assert recorded is not None, "torch no longer records eager_input_vals for stride-sensitive ops"
+    args, kwargs = recorded
+    assert tuple(args[0].stride()) == (1, 4)  # the transposed view, as traced
+    replacement = torch.empty(4, 3)
+    compat.set_eager_input_vals(node, (replacement, 2.0), kwargs)
+    assert compat.eager_input_vals(node)[0][0] is replacement
+    plain = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert compat.eager_input_vals(plain) is None
+
+
+def test_tree_leaves_and_tree_map_only():
+    tree = (1, [torch.zeros(1), {"a": 2.0}])
+    assert len(compat.tree_leaves(tree)) == 3
+    mapped = compat.tree_map_only(torch.Tensor, lambda t: "T", tree)
+    assert mapped == (1, ["T", {"a": 2.0}])
+
+
+# ---- modules, tensors --------------------------------------------------------------------------
+
+
+def test_direct_parameters_and_swap_parameter():
+    lin = torch.nn.Linear(2, 2, bias=False)
+    params = compat.direct_parameters(lin)
+    assert params["weight"] is lin.weight and params.get("bias") is None  # None: registered as absent
+    original = lin.weight
+    doubled = original * 2  # a non-leaf tensor: nn.Module.__setattr__ would refuse it
+    compat.swap_parameter(lin, "weight", doubled)
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(lin(x), x @ doubled.t())
+    compat.swap_parameter(lin, "weight", original)
+    assert lin.weight is original and isinstance(lin.weight, torch.nn.Parameter)
+
+
+def test_foreach_norm_and_foreach_mul_():
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([6.0, 8.0])
+    assert [float(n) for n in compat.foreach_norm([a, b])] == [5.0, 10.0]
+    compat.foreach_mul_([a, b], torch.tensor(0.5))
+    assert a.tolist() == [1.5, 2.0] and b.tolist() == [3.0, 4.0]

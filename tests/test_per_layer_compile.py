@@ -64,7 +64,7 @@ def _body(ctx):
         total = loss.detach().clone()
         dist.all_reduce(total)
         torch.testing.assert_close(total.item() / world, ref_loss.item(), rtol=1e-5, atol=1e-6)
-    assert len(engine.backend_for("eager").graphs) == 3, "identical layers shared one compiled graph"
+    assert len(engine.compiled_module.backend_for("eager").graphs) == 3, "identical layers shared one compiled graph"
     state = engine.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

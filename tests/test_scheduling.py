@@ -16,10 +16,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import deepcompile
 from deepcompile.config import Config
+from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.zero3 import insert_gather_release
 from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile, NodeProfile
-from deepcompile.scheduling.planner import apply_prefetch, graph_gathers, plan_persistent, plan_prefetch
+from deepcompile.scheduling.planner import graph_gathers, plan_persistent, plan_prefetch
 from deepcompile.scheduling.schedule import PassSchedule, ScheduleEntry
 from multiproc import require_world_size, run_distributed, single_world_size
 from parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference

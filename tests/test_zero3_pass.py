@@ -6,7 +6,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import deepcompile  # noqa: F401  (loads torch.ops.dc)
-from deepcompile.passes.zero3 import insert_gather_release, insert_reductions
+from deepcompile.passes.reduce import insert_reductions
+from deepcompile.passes.zero3 import insert_gather_release
 
 dc = torch.ops.dc
 
@@ -115,7 +116,8 @@ def test_transposed_weight_gradients_reach_reduce_grad_contiguous():
 
 
 def test_prefetch_groups_are_fused_launched_ahead_and_keep_dtypes():
-    from deepcompile.scheduling.planner import apply_prefetch, plan_prefetch
+    from deepcompile.passes.prefetch import apply_prefetch
+    from deepcompile.scheduling.planner import plan_prefetch
 
     def f(w1, w2, w3, x):
         h = torch.relu(x @ w1.t())

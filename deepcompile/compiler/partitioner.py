@@ -17,31 +17,30 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Set
 
-import torch
 from torch.fx import GraphModule
-from torch.utils.checkpoint import CheckpointPolicy
 
 from deepcompile import compat
 from deepcompile.passes.graph_utils import is_alias_op, is_cast_op
 
 
 def mark_parameter_views_recompute(joint: GraphModule, param_input_indices: Set[int]) -> int:
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals_")]
-    marked = {primals[i] for i in param_input_indices if i < len(primals)}
-    count = 0
+    """Mark every view/cast chain that starts at a parameter input as must-recompute; returns
+    how many nodes were marked."""
+    primals = compat.joint_primal_inputs(joint)
+    chain = {primals[i] for i in param_input_indices if i < len(primals)}
+    marked = []
     for node in joint.graph.nodes:
-        node.meta.setdefault("ac_graph_id", 1)
         if node.op != "call_function" or not (is_alias_op(node) or is_cast_op(node)):
             continue
-        if node.args and node.args[0] in marked:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            marked.add(node)
-            count += 1
-    return count
+        if node.args and node.args[0] in chain:
+            chain.add(node)
+            marked.append(node)
+    compat.mark_must_recompute(joint, marked)
+    return len(marked)
 
 
-def make_partition_fn(base: Callable, param_input_indices: Optional[Set[int]], joint_passes: bool) -> Callable:
-    """``base`` (the min-cut partitioner) after Inductor's joint-graph passes (``joint_passes``)
+def make_partition_fn(param_input_indices: Optional[Set[int]], joint_passes: bool) -> Callable:
+    """aot_autograd's min-cut partitioner after Inductor's joint-graph passes (``joint_passes``)
     and, for ZeRO-3 (``param_input_indices`` not None), the recompute marks on parameter views.
     The marks come after the passes: a pattern rewrite could replace a marked node by an unmarked
     one."""
@@ -51,6 +50,6 @@ def make_partition_fn(base: Callable, param_input_indices: Optional[Set[int]], j
             joint_module = compat.inductor_joint_graph_passes(joint_module, joint_inputs)
         if param_input_indices is not None:
             mark_parameter_views_recompute(joint_module, param_input_indices)
-        return base(joint_module, joint_inputs, **kwargs)
+        return compat.min_cut_partition(joint_module, joint_inputs, **kwargs)
 
     return partition

@@ -7,7 +7,8 @@ from typing import Dict, Iterable, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils import _pytree as pytree
+
+from deepcompile import compat
 
 
 def _dc_alias_ops():
@@ -21,9 +22,7 @@ def is_alias_op(node: Node) -> bool:
     target = node.target
     if target in _dc_alias_ops():
         return True
-    if isinstance(target, torch._ops.OpOverload):
-        return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
-    return False
+    return compat.is_op_overload(target) and compat.returns_view_of_input(target)
 
 
 def is_cast_op(node: Node) -> bool:
@@ -85,14 +84,14 @@ _LIBRARY_CALL_PREFIXES = ("_scaled_dot_product_", "_flash_attention", "_efficien
 
 def is_library_call(node: Node) -> bool:
     """True if Inductor runs ``node`` as a library call whose output it materializes anyway."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not compat.is_op_overload(node.target):
         return False
     namespace = node.target.namespace
     if namespace == "prims":
         return False  # lowered into generated code
     if namespace != "aten":
         return True  # custom ops are fallback kernels
-    name = node.target._overloadpacket.__name__
+    name = compat.overload_packet_name(node.target)
     return name in _LIBRARY_CALL_PACKETS or name.startswith(_LIBRARY_CALL_PREFIXES)
 
 
@@ -145,7 +144,7 @@ def tensor_result(node: Node) -> Optional[Node]:
 def _layout(value) -> Optional[tuple]:
     """Sizes, strides and dtypes of every tensor in ``value``, as text: symbolic sizes compare by
     expression without adding guards."""
-    leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+    leaves = [v for v in compat.tree_leaves(value) if isinstance(v, torch.Tensor)]
     if not leaves:
         return None
     return tuple((tuple(map(str, t.shape)), tuple(map(str, t.stride())), t.dtype) for t in leaves)
@@ -174,7 +173,7 @@ def refresh_layouts(graph: Graph, changed: Iterable[Node]) -> int:
     changed = set(changed)
     updated = 0
     for node in graph.nodes:
-        if node in changed or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node in changed or node.op != "call_function" or not compat.is_op_overload(node.target):
             continue
         if not any(a in changed for a in node.all_input_nodes):
             continue
@@ -183,7 +182,7 @@ def refresh_layouts(graph: Graph, changed: Iterable[Node]) -> int:
             continue
         if any("val" not in a.meta for a in node.all_input_nodes):
             continue
-        args, kwargs = pytree.tree_map_only(Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+        args, kwargs = compat.tree_map_only(Node, lambda n: n.meta["val"], (node.args, node.kwargs))
         try:
             value = node.target(*args, **kwargs)  # fake inputs: runs the op's fake/meta kernel
         except Exception:  # an op without a fake kernel for these inputs keeps its traced value
@@ -198,7 +197,7 @@ def refresh_layouts(graph: Graph, changed: Iterable[Node]) -> int:
 def _refresh_eager_input_vals(node: Node, changed: Set[Node]) -> None:
     """Point the eager input values recorded for ``node`` at the current values of its changed
     inputs. They were recorded from ``node``'s arguments at trace time, position for position."""
-    recorded = node.meta.get("eager_input_vals")
+    recorded = compat.eager_input_vals(node)
     if recorded is None:
         return
     old_args, old_kwargs = recorded
@@ -208,7 +207,8 @@ def _refresh_eager_input_vals(node: Node, changed: Set[Node]) -> None:
     def current(arg, old):
         return arg.meta["val"] if isinstance(arg, Node) and arg in changed else old
 
-    node.meta["eager_input_vals"] = (
+    compat.set_eager_input_vals(
+        node,
         tuple(current(a, o) for a, o in zip(node.args, old_args)),
         {k: current(v, old_kwargs[k]) for k, v in node.kwargs.items()},
     )

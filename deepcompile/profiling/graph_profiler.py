@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule, Interpreter, Node
 
+from deepcompile import compat
+
 dc = torch.ops.dc
 
 
@@ -92,9 +94,7 @@ def issues_collective(node: Node) -> bool:
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:
-    out: List[torch.Tensor] = []
-    torch.utils._pytree.tree_map(lambda v: out.append(v) if isinstance(v, torch.Tensor) else None, value)
-    return out
+    return [v for v in compat.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -8,8 +8,8 @@ Timeline for the default ZeRO-3 schedule (``warmup_steps`` W, passes P):
 * end of step W-1 (optimizer step done, ``global_steps`` becomes W): the entry for step W is due
   and its profile exists, so the driver plans: the all-gather time model is measured once, the
   persistent set is chosen and applied (``set_persistent``), prefetch plans are kept for the
-  recompile, and the engine recompiles its module with a fresh backend (Dynamo caches per
-  backend, so nothing else is thrown away);
+  recompile, and the module is recompiled with a fresh backend (``compiler/compiled_module.py``;
+  Dynamo caches per backend, so nothing else is thrown away);
 * step W (first micro-step): the new graphs are profiled again to *measure* the plan; the schedule
   report (``compile.report_dir`` / ``compile.debug_log``) then shows predicted vs measured peaks.
 
@@ -46,12 +46,30 @@ log = logging.getLogger(__name__)
 
 
 class ScheduleDriver:
-    def __init__(self, engine: Any):
-        self.engine = engine
-        cfg = engine.config
-        self.schedule = PassSchedule.from_config(cfg)
+    """Decides, per micro-step, which graphs are profiled and, per optimizer step, whether the
+    plan changes. Knows nothing of the engine: it is handed what it reads.
+
+    ``compile_config``: the ``compile`` config section (budget, report settings);
+    ``schedule``: the pass schedule; ``prefetch_bucket_numel``: the largest fused gather;
+    ``stage``, ``group``, ``device``, ``rank``: where the graphs run;
+    ``accumulation_steps``: micro-steps per optimizer step; ``resident_ids``: parameters kept
+    gathered from the start (the persistence threshold); ``param_names``: ds id -> name, for the
+    report.
+    """
+
+    def __init__(self, compile_config: Any, schedule: PassSchedule, *, prefetch_bucket_numel: int, stage: int,
+                 group: Optional[dist.ProcessGroup], device: torch.device, rank: int, accumulation_steps: int,
+                 resident_ids: Sequence[int] = (), param_names: Optional[Dict[int, str]] = None):
+        self.compile_config = compile_config
+        self.schedule = schedule
+        self.stage = stage
+        self.group = group
+        self.device = device
+        self.rank = rank
+        self.accumulation_steps = accumulation_steps
+        self.resident_ids: List[int] = list(resident_ids)
         self.applied: ScheduleEntry = PLAIN
-        self.max_group_numel = cfg.zero_optimization.stage3_prefetch_bucket_size
+        self.max_group_numel = prefetch_bucket_numel
         self.chosen_persistent: List[int] = []
         self.comm: Optional[CommModel] = None
         self._budget: Optional[int] = None
@@ -63,7 +81,7 @@ class ScheduleDriver:
         self._profiled_now: Set[Tuple] = set()
         self._verify_pending = False
         self._fresh_profile = False
-        self.report = ScheduleReport(engine)
+        self.report = ScheduleReport(compile_config, rank, param_names or {})
         self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
         self._halves: List[Any] = []  # weak references to the compiled halves handed to torch
 
@@ -104,15 +122,19 @@ class ScheduleDriver:
 
     # ---- profiling --------------------------------------------------------------------------
 
-    def begin_micro_step(self, first_in_window: bool) -> None:
-        """Called before each forward: decide whether this micro-step is profiled."""
+    def begin_micro_step(self, global_steps: int, first_in_window: bool, can_profile: bool) -> None:
+        """Called before each forward: decide whether this micro-step is profiled.
+
+        ``can_profile``: graphs of this micro-step are compiled by a deepcompile backend of the
+        current plan (only those can be run through the profiler).
+        """
         self._profiled_now = set()
         self.mode = None
-        if not first_in_window or not self.engine._backends:
-            return  # only graphs compiled by deepcompile's backend can be profiled
+        if not first_in_window or not can_profile:
+            return
         if self._verify_pending:
             self.mode = "verify"
-        elif self._upcoming() is not None:
+        elif self._upcoming(global_steps) is not None:
             self.mode = "plan"
 
     def end_micro_step(self) -> None:
@@ -123,9 +145,9 @@ class ScheduleDriver:
             self._fresh_profile = True
         self.mode = None
 
-    def _upcoming(self) -> Optional[ScheduleEntry]:
+    def _upcoming(self, global_steps: int) -> Optional[ScheduleEntry]:
         """The entry that should be in force after the next optimizer step, if it differs."""
-        target = self.schedule.entry_at(self.engine.global_steps + 1)
+        target = self.schedule.entry_at(global_steps + 1)
         return target if target != self.applied else None
 
     def wants_profile(self, signature: Tuple) -> bool:
@@ -136,8 +158,8 @@ class ScheduleDriver:
         phase = signature[0]
         self._profiled_now.add(signature)
         try:
-            outputs, profile = profile_graph(gm, list(args), graph_id, phase, self.engine.device,
-                                             self.engine.group, fail_at=self.fail_at)
+            outputs, profile = profile_graph(gm, list(args), graph_id, phase, self.device, self.group,
+                                             fail_at=self.fail_at)
         except ProfileAborted as e:
             self._store(signature, GraphProfile(graph_id, phase, [], complete=False, error=str(e)))
             if e.reduced:
@@ -145,10 +167,10 @@ class ScheduleDriver:
                     f"deepcompile: {e}. The backward had already reduced gradients, so this step cannot be "
                     "finished; no rank continued alone."
                 ) from e
-            if self.engine.rank == 0:
+            if self.rank == 0:
                 log.warning("deepcompile: %s; finishing the step with the compiled graph", e)
             # Forget this graph's gather/release bookkeeping, then run it the normal way.
-            runtime.register_graph(graph_id, sorted(set(param_ids)), stage=self.engine.stage)
+            runtime.register_graph(graph_id, sorted(set(param_ids)), stage=self.stage)
             runtime.clear_all_gathered_params()
             return compiled(args)
         args.clear()
@@ -163,21 +185,21 @@ class ScheduleDriver:
 
     # ---- the step boundary ------------------------------------------------------------------
 
-    def on_optimizer_step(self) -> bool:
-        """After an optimizer step: switch plans if an entry is due. True: the engine recompiles."""
-        due = self.schedule.entry_at(self.engine.global_steps)
+    def on_optimizer_step(self, global_steps: int) -> bool:
+        """After optimizer step ``global_steps - 1``: switch plans if an entry is due. True: the
+        module must be recompiled."""
+        due = self.schedule.entry_at(global_steps)
         if due == self.applied:
             return False
         if needs_profile(due) and not self._fresh_profile:
             return False  # profiled during the next step, applied after it
-        self._switch(due)
+        self._switch(due, global_steps)
         return True
 
-    def _switch(self, entry: ScheduleEntry) -> None:
+    def _switch(self, entry: ScheduleEntry, global_steps: int) -> None:
         self.applied = entry
         if entry.passes and self.comm is None:
-            self.comm = measure_allgather(self.engine.group, self.engine.device,
-                                          max_bytes=self._largest_gather_bytes())
+            self.comm = measure_allgather(self.group, self.device, max_bytes=self._largest_gather_bytes())
         for ds_id in self.chosen_persistent:
             runtime.set_persistent(ds_id, False)
         self.chosen_persistent = []
@@ -187,15 +209,15 @@ class ScheduleDriver:
             extra = self._prefetch_extra() if "prefetch" in entry.passes else 0
             persistent_plan = planner.plan_persistent(
                 [self.gathers[s] for s in self.gathers if s in self.profiles], profiles, self.comm,
-                self.budget_bytes(), self.engine.gradient_accumulation_steps, extra,
-                already=self._threshold_persistent(),
+                self.budget_bytes(), self.accumulation_steps, extra,
+                already=self.resident_ids,
             )
             for ds_id in persistent_plan.ids:
                 runtime.set_persistent(ds_id, True)
             self.chosen_persistent = persistent_plan.ids
         self._verify_pending = True
         self._fresh_profile = False
-        self.report.planned(entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,
+        self.report.planned(global_steps, entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,
                             self._preview_prefetch() if "prefetch" in entry.passes else {})
 
     def _preview_prefetch(self) -> Dict[Tuple, planner.PrefetchPlan]:
@@ -214,23 +236,19 @@ class ScheduleDriver:
     def _largest_gather_bytes(self) -> int:
         return max((g.nbytes for gathers in self.gathers.values() for g in gathers), default=1 << 20)
 
-    def _threshold_persistent(self) -> List[int]:
-        return [sp.ds_id for sp in self.engine.sharding.params if sp.persistent]
-
     def _persistent_ids(self) -> List[int]:
-        return self._threshold_persistent() + list(self.chosen_persistent)
+        return self.resident_ids + list(self.chosen_persistent)
 
     def budget_bytes(self) -> int:
         if self._budget is None:
-            cfg = self.engine.config.compile
+            cfg = self.compile_config
             if cfg.memory_budget_bytes is not None:
                 budget = cfg.memory_budget_bytes
-            elif self.engine.device.type == "cuda":
-                budget = int(torch.cuda.get_device_properties(self.engine.device).total_memory * cfg.memory_budget_fraction)
+            elif self.device.type == "cuda":
+                budget = int(torch.cuda.get_device_properties(self.device).total_memory * cfg.memory_budget_fraction)
             else:
                 budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.memory_budget_fraction)
-            t = torch.tensor([budget], dtype=torch.int64,
-                             device=self.engine.device if self.engine.device.type == "cuda" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.engine.group)
+            t = torch.tensor([budget], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             self._budget = int(t.item())
         return self._budget

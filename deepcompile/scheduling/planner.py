@@ -12,7 +12,8 @@ and the group stays within ``max_group_numel`` elements. Without a model, groups
 the head of the graph), so it travels while the previous group computes, but only if the memory
 profiled over that window plus the group's bytes stays within the budget; otherwise it is
 gathered at its use, as the plain ZeRO-3 pass does. Without a profile every group goes ahead (the
-static plan). The requested dtype of every gather is kept.
+static plan). The requested dtype of every gather is kept. ``passes/prefetch.py`` writes the plan
+into the graph.
 
 Selective unsharding (per engine). Candidates are the partitioned parameters the profiled graphs
 gather. Keeping one gathered saves ``(gathers per optimizer step - 1)`` all-gathers of its size
@@ -163,26 +164,6 @@ def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int]
                 predicted = max(predicted, window_peak + extra)
         planned.append(PrefetchGroup(group, (anchor if ahead else use).name, ahead))
     return PrefetchPlan(planned, predicted, guided, frozenset(kept))
-
-
-def apply_prefetch(gm: GraphModule, graph_id: int, plan: PrefetchPlan) -> None:
-    """Insert one ``prefetch_params_fused`` per group before its launch node, in group order."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    # Several groups may launch before the same node (group 0 and 1 both at the head when
-    # group 0's first gather is the first node): keep their order by inserting after the last.
-    inserted: Dict[str, Node] = {}
-    for group in plan.groups:
-        anchor = by_name[group.launch_before]
-        previous = inserted.get(group.launch_before)
-        ctx = gm.graph.inserting_after(previous) if previous is not None else gm.graph.inserting_before(anchor)
-        with ctx:
-            node = gm.graph.call_function(
-                dc.prefetch_params_fused.default,
-                (graph_id, [g.node.args[0] for g in group.gathers], [g.ds_id for g in group.gathers]),
-                {"dtypes": [g.dtype for g in group.gathers]},
-            )
-        inserted[group.launch_before] = node
-    gm.graph.lint()
 
 
 @dataclasses.dataclass

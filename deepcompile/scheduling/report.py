@@ -38,18 +38,21 @@ def _key(signature: Tuple) -> str:
 
 
 class ScheduleReport:
-    def __init__(self, engine: Any):
-        self.engine = engine
+    """``compile_config``: the ``compile`` config section (``report_dir``, ``debug_log``); only
+    ``rank`` 0 writes. ``param_names``: ds id -> parameter name."""
+
+    def __init__(self, compile_config: Any, rank: int, param_names: Dict[int, str]):
+        self.compile_config = compile_config
+        self.rank = rank
+        self.param_names = dict(param_names)
         self.current: Optional[Dict[str, Any]] = None
         self.history = []
         self.verify_profiles: Dict[Tuple, GraphProfile] = {}
 
-    def _names(self) -> Dict[int, str]:
-        return {sp.ds_id: sp.name for sp in getattr(self.engine.sharding, "params", [])}
-
-    def planned(self, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
+    def planned(self, step: int, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
                 prefetch_plans: Dict[Tuple, Any]) -> None:
-        names = self._names()
+        """The plan made at the switch to ``entry`` after optimizer step ``step - 1``."""
+        names = self.param_names
         graphs = []
         for sig, prof in profiles.items():
             plan = prefetch_plans.get(sig)
@@ -71,7 +74,7 @@ class ScheduleReport:
                 "_sig": sig,
             })
         self.current = {
-            "step": self.engine.global_steps,
+            "step": step,
             "entry": entry.describe(),
             "budget_bytes": budget,
             "comm_model": comm.to_dict() if comm is not None else None,
@@ -128,8 +131,8 @@ class ScheduleReport:
         return "\n".join(lines)
 
     def _emit(self) -> None:
-        cfg = self.engine.config.compile
-        if self.engine.rank != 0:
+        cfg = self.compile_config
+        if self.rank != 0:
             return
         if cfg.report_dir:
             os.makedirs(cfg.report_dir, exist_ok=True)

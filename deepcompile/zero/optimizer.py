@@ -12,7 +12,7 @@ Gradient partitions are step-local: the runtime allocates a parameter's fp32 par
 first reduction in an accumulation window (during the backward, as its layer finishes) and the
 optimizer drops them all after the step, as ``zero_grad(set_to_none=True)`` does. A persistent
 flat buffer would sit in memory through the forward and the start of the backward, where the
-activations peak (1.8 GiB per GPU for a 1B model on 2 ranks).
+activations peak (docs/design.md, "Measured").
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from deepcompile.zero.grad_clip import clip_grad_norm_
 from deepcompile.zero.partition import ShardedParam
 
 
@@ -72,18 +73,8 @@ class ShardedOptimizer:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global L2 norm over all ranks' partitions; returns the norm."""
-        grads = self.grads()
         device = self.params[0].shard.device if self.params else torch.device("cpu")
-        local_sq = torch.zeros((), dtype=torch.float64, device=device)
-        if grads:
-            local_sq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-        dist.all_reduce(local_sq, group=self.group)
-        norm = local_sq.sqrt().float()
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1:
-                torch._foreach_mul_(grads, coef)
-        return norm
+        return clip_grad_norm_(self.grads(), max_norm, self.group, device)
 
     def step(self) -> None:
         from deepcompile import runtime

@@ -17,28 +17,21 @@ every micro-step into the partition.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import leaf_modules, runtime
-from deepcompile.eager_fallback import EAGER_GRAPH_ID
+from deepcompile import runtime
+from deepcompile.zero import leaf_modules
+from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
+from deepcompile.zero.flat_partition import GroupPartition, build_group
+from deepcompile.zero.grad_clip import clip_grad_norm_
+from deepcompile.zero.sharding import ParamShard, Sharding, optimizer_state_piece
 
 
-@dataclasses.dataclass
-class GroupPartition:
-    params: List[nn.Parameter]
-    ds_ids: List[int]
-    offsets: List[int]  # flat offset of each parameter in the group
-    partition_numel: int
-    master: nn.Parameter  # (partition_numel,) fp32, this rank's slice of the group
-    grad: Optional[torch.Tensor] = None  # step-local fp32 gradient partition
-
-
-class Zero12Sharding:
+class Zero12Sharding(Sharding):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
                  stage: int):
         if optimizer.state:
@@ -47,7 +40,9 @@ class Zero12Sharding:
         self.module = model
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._names: Dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(p), n)
         self.ds_id_of: Dict[int, int] = {}
         self.groups: List[GroupPartition] = []
         with torch.no_grad():
@@ -56,30 +51,20 @@ class Zero12Sharding:
         for group_dict in optimizer.param_groups:
             params = [p for p in group_dict["params"] if p.requires_grad]
             for p in group_dict["params"]:
-                if id(p) not in names:
+                if id(p) not in self._names:
                     raise ValueError("deepcompile.initialize: the optimizer holds a tensor that is not a parameter of the model")
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"deepcompile.initialize: a param group mixes dtypes {sorted(map(str, dtypes))}; "
                                  "ZeRO-1/2 needs one dtype per group")
-            offsets, total = [], 0
-            for p in params:
-                offsets.append(total)
-                total += p.numel()
-            partition = max(1, -(-total // self.world))
-            flat = torch.zeros(partition * self.world, dtype=torch.float32, device=params[0].device if params else "cpu")
-            for p, off in zip(params, offsets):
-                flat[off : off + p.numel()] = p.detach().reshape(-1).float()
-            master = nn.Parameter(flat[self.rank * partition : (self.rank + 1) * partition].clone())
-            ids = []
-            for p, off in zip(params, offsets):
-                ds_id = len(self.ds_id_of)
+            ids = list(range(len(self.ds_id_of), len(self.ds_id_of) + len(params)))
+            flat = build_group(params, ids, self.rank, self.world)
+            for p, ds_id, off in zip(params, ids, flat.offsets):
                 self.ds_id_of[id(p)] = ds_id
                 p.ds_id = ds_id
-                ids.append(ds_id)
-                runtime.register_z12_param(ds_id, list(p.shape), p, off, partition)
-            self.groups.append(GroupPartition(params, ids, offsets, partition, master))
-            group_dict["params"] = [master]
+                runtime.register_z12_param(ds_id, list(p.shape), p, off, flat.partition_numel)
+            self.groups.append(flat)
+            group_dict["params"] = [flat.master]
         self.optimizer = optimizer
         # Eager frames (and the engine without compile()) reduce through the runtime as well.
         self._hooks = [
@@ -94,9 +79,13 @@ class Zero12Sharding:
         torch.ops.dc.reduce_grad(p.grad.contiguous(), EAGER_GRAPH_ID, self.ds_id_of[id(p)])
         p.grad = None
 
-    # ---- step-local gradient partitions ----------------------------------------------------
+    # ---- the training loop ------------------------------------------------------------------
 
-    def before_backward(self, boundary: bool) -> None:
+    def start_backward(self, boundary: bool) -> None:
+        self._bind_grad_partitions(boundary)
+        runtime.start_backward(boundary)
+
+    def _bind_grad_partitions(self, boundary: bool) -> None:
         """Bind the targets at the first backward that synchronizes gradients in this window."""
         if self.stage == 1 and not boundary:
             return  # ZeRO-1 micro-steps accumulate in the runtime; nothing to bind
@@ -104,23 +93,17 @@ class Zero12Sharding:
             if g.grad is not None:
                 continue
             g.grad = torch.zeros_like(g.master, dtype=torch.float32)
-            lo, hi = self.rank * g.partition_numel, (self.rank + 1) * g.partition_numel
-            for p, ds_id, off in zip(g.params, g.ds_ids, g.offsets):
-                begin, end = max(off, lo), min(off + p.numel(), hi)
-                if end > begin:
-                    runtime.bind_grad_target(ds_id, g.grad[begin - lo : end - lo], zero=False)
+            for piece in g.pieces():
+                if piece.owned:
+                    runtime.bind_grad_target(piece.ds_id, g.grad[piece.in_partition], zero=False)
 
-    def step(self, clip: float) -> None:
+    def step(self, gradient_clipping: float) -> None:
         # The optimizer-facing partitions exist: the runtime lets go of them before the step.
         runtime.unbind_grad_targets()
         grads = [g.grad if g.grad is not None else torch.zeros_like(g.master) for g in self.groups]
-        if clip > 0:
-            local = torch.stack([t.double().pow(2).sum() for t in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
-            dist.all_reduce(local, group=self.group)
-            coef = clip / (local.sqrt().float() + 1e-6)
-            if coef < 1:
-                for t in grads:
-                    t.mul_(coef)
+        if gradient_clipping > 0:
+            device = self.groups[0].master.device if self.groups else torch.device("cpu")
+            clip_grad_norm_(grads, gradient_clipping, self.group, device)
         # A parameter that got no gradient in this window keeps its values, as torch skips it.
         # (Its slice of the flat optimizer state still advances with a zero gradient.)
         untouched = self._unreduced_slices()
@@ -128,8 +111,8 @@ class Zero12Sharding:
             g.master.grad = grad
         self.optimizer.step()
         with torch.no_grad():
-            for master, lo, hi, saved in untouched:
-                master[lo:hi] = saved
+            for master, where, saved in untouched:
+                master[where] = saved
         for g in self.groups:
             g.master.grad = None
             g.grad = None
@@ -138,11 +121,9 @@ class Zero12Sharding:
     def _unreduced_slices(self):
         saved = []
         for g in self.groups:
-            lo, hi = self.rank * g.partition_numel, (self.rank + 1) * g.partition_numel
-            for p, ds_id, off in zip(g.params, g.ds_ids, g.offsets):
-                begin, end = max(off, lo), min(off + p.numel(), hi)
-                if end > begin and not runtime.was_reduced(ds_id):
-                    saved.append((g.master.data, begin - lo, end - lo, g.master.data[begin - lo : end - lo].clone()))
+            for piece in g.pieces():
+                if piece.owned and not runtime.was_reduced(piece.ds_id):
+                    saved.append((g.master.data, piece.in_partition, g.master.data[piece.in_partition].clone()))
         return saved
 
     @torch.no_grad()
@@ -161,6 +142,9 @@ class Zero12Sharding:
     def eagerly_gathered_params(self) -> List[str]:
         return []  # parameters are replicated: nothing is ever gathered
 
+    def persistent_ids(self) -> List[int]:
+        return []  # nothing is gathered
+
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
@@ -169,3 +153,28 @@ class Zero12Sharding:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    # ---- sharded state ----------------------------------------------------------------------
+    # Only the trainable parameters the optimizer holds are partitioned; the others stay
+    # replicated in the module (and in full_state_dict) and are not listed.
+
+    def shards(self) -> Iterator[ParamShard]:
+        for g in self.groups:
+            master = g.master.detach()  # same storage; a plain tensor, writable in place
+            for piece in g.pieces():
+                local = master[piece.in_partition] if piece.owned else master[:0]
+                r = piece.in_param
+                yield ParamShard(self._names[id(piece.param)], piece.ds_id, piece.param.shape, local, r.start, r.stop)
+
+    def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
+        for g in self.groups:
+            for piece in g.pieces():
+                if piece.ds_id != ds_id:
+                    continue
+                where = piece.in_partition if piece.owned else slice(0, 0)
+                return optimizer_state_piece(self.optimizer.state.get(g.master, {}), g.master, where)
+        return {}
+
+    def sync_params_from_shards(self) -> None:
+        self._gather_updated_params()
+

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import leaf_modules, runtime
-from deepcompile.eager_fallback import EagerGatherHooks, gather_full_copy
+from deepcompile import runtime
+from deepcompile.zero import leaf_modules
+from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.partition import ShardedParam, partition_parameters
+from deepcompile.zero.sharding import ParamShard, Sharding, optimizer_state_piece
 
 
-class Zero3Sharding:
+class Zero3Sharding(Sharding):
     stage = 3
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup]):
         self.module = model
+        self.rank = dist.get_rank(group)
         self.params: List[ShardedParam] = partition_parameters(
             model, config.zero_optimization.stage3_param_persistence_threshold, group
         )
@@ -36,12 +39,14 @@ class Zero3Sharding:
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
 
-    def before_backward(self, boundary: bool) -> None:
-        pass
+    def start_backward(self, boundary: bool) -> None:
+        # Gradient partitions need no preparation: the runtime allocates each at its first
+        # reduction in the window.
+        runtime.start_backward(boundary)
 
-    def step(self, clip: float) -> None:
-        if clip > 0:
-            self.optimizer.clip_grad_norm(clip)
+    def step(self, gradient_clipping: float) -> None:
+        if gradient_clipping > 0:
+            self.optimizer.clip_grad_norm(gradient_clipping)
         self.optimizer.step()
         self.optimizer.zero_grad()
         # The master shards (the gather sources) changed in place: gathered copies (persistent
@@ -50,6 +55,9 @@ class Zero3Sharding:
 
     def eagerly_gathered_params(self) -> List[str]:
         return [sp.name for sp in self.params if sp.ds_id in self.eager.gathered_ids]
+
+    def persistent_ids(self) -> List[int]:
+        return [sp.ds_id for sp in self.params if sp.persistent]
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -61,3 +69,29 @@ class Zero3Sharding:
 
     def close(self) -> None:
         self.eager.remove()
+
+    # ---- sharded state ----------------------------------------------------------------------
+
+    def _range(self, sp: ShardedParam):
+        """This rank's elements of the flattened parameter: ``[rank * ppr, (rank + 1) * ppr)``
+        less the padding past ``numel``."""
+        start = min(self.rank * sp.ppr, sp.numel)
+        return start, min(start + sp.ppr, sp.numel)
+
+    def shards(self) -> Iterator[ParamShard]:
+        for sp in self.params:
+            start, end = self._range(sp)
+            # `shard` is the storage of the master weights (and the gather source); a plain
+            # tensor, unlike the master Parameter, so the view can be written in place.
+            yield ParamShard(sp.name, sp.ds_id, sp.shape, sp.shard[: end - start], start, end)
+
+    def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
+        sp = self.params[ds_id]
+        if sp.master is None:
+            return {}
+        start, end = self._range(sp)
+        return optimizer_state_piece(self.optimizer.optimizer.state.get(sp.master, {}), sp.master, slice(0, end - start))
+
+    def sync_params_from_shards(self) -> None:
+        runtime.invalidate_all_gathered()
+

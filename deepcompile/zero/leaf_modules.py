@@ -25,6 +25,8 @@ from typing import Callable, ContextManager, Iterable, List, Sequence, Tuple, Ty
 import torch
 import torch.nn as nn
 
+from deepcompile import compat
+
 LeafSpec = Union[Type[nn.Module], nn.Module]
 
 # A leaf's scope: given the leaf module, a context manager that makes its parameters usable for
@@ -101,7 +103,7 @@ def leaf_parameters(leaf: nn.Module) -> List[Tuple[nn.Module, str, nn.Parameter]
     """(owner, name, parameter) of every parameter below ``leaf``, each once, in module order."""
     seen, out = set(), []
     for owner in leaf.modules():
-        for name, p in owner._parameters.items():
+        for name, p in compat.direct_parameters(owner).items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 out.append((owner, name, p))
@@ -114,12 +116,12 @@ def substituted(entries: Iterable[Tuple[nn.Module, str, nn.Parameter]], values: 
     every owner of the same parameter gets the same value)."""
     entries = list(entries)
     for (owner, name, _), value in zip(entries, values):
-        owner._parameters[name] = value
+        compat.swap_parameter(owner, name, value)
     try:
         yield
     finally:
         for owner, name, p in entries:
-            owner._parameters[name] = p
+            compat.swap_parameter(owner, name, p)
 
 
 class _EveryParamGetsAGradient(torch.autograd.Function):
@@ -140,7 +142,7 @@ def replicated_scope(leaf: nn.Module) -> ContextManager[None]:
     entries = [e for e in leaf_parameters(leaf) if e[2].requires_grad]
     if not entries or not torch.is_grad_enabled():
         return contextlib.nullcontext()
-    owners = [(owner, name, p) for owner in leaf.modules() for name, p in owner._parameters.items()
+    owners = [(owner, name, p) for owner in leaf.modules() for name, p in compat.direct_parameters(owner).items()
               if p is not None and p.requires_grad]
     views = _EveryParamGetsAGradient.apply(*[p for _, _, p in entries])
     by_param = {id(p): v for (_, _, p), v in zip(entries, views)}

@@ -18,7 +18,8 @@ from typing import ContextManager, Dict, List, Set
 import torch
 import torch.nn as nn
 
-from deepcompile import leaf_modules
+from deepcompile import compat
+from deepcompile.zero import leaf_modules
 from deepcompile.zero.partition import ShardedParam
 
 # Graph id of the executor that serves eager gathers and reductions; compiled graphs get ids >= 1.
@@ -73,10 +74,9 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
-        self.reduced_eagerly = False
         self._handles = []
         for sub in module.modules():
-            if any(id(p) in self._by_param for p in sub._parameters.values() if p is not None):
+            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None):
                 self._handles.append(sub.register_forward_pre_hook(self._gather))
                 self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
 
@@ -84,18 +84,17 @@ class EagerGatherHooks:
         if torch.compiler.is_compiling():
             return
         originals = {}
-        for name, p in module._parameters.items():
+        for name, p in list(compat.direct_parameters(module).items()):
             sp = self._by_param.get(id(p)) if p is not None else None
             if sp is None:
                 continue
             originals[name] = p
             if torch.is_grad_enabled() and p.requires_grad:
                 full = _GatherForEager.apply(p, sp.ds_id)
-                self.reduced_eagerly = True
             else:
                 with torch.no_grad():
                     full = _GatherForEager.apply(p, sp.ds_id)
-            module._parameters[name] = full
+            compat.swap_parameter(module, name, full)
             self.gathered_ids.add(sp.ds_id)
         if originals:
             module.__dict__.setdefault("_dc_originals", []).append(originals)
@@ -105,7 +104,7 @@ class EagerGatherHooks:
         if torch.compiler.is_compiling() or not stack:
             return
         for name, p in stack.pop().items():
-            module._parameters[name] = p
+            compat.swap_parameter(module, name, p)
 
     def leaf_scope(self, leaf: nn.Module) -> ContextManager[None]:
         """Gathers every partitioned parameter below ``leaf`` at once (leaf_modules.py)."""
@@ -123,7 +122,7 @@ class EagerGatherHooks:
                 fulls = _GatherLeafForEager.apply(ids, (False,) * len(ids), *[sp.param for sp in sps])
         self.gathered_ids.update(ids)
         full_of = {id(sp.param): full for sp, full in zip(sps, fulls)}
-        owners = [(owner, name, p) for owner in leaf.modules() for name, p in owner._parameters.items()
+        owners = [(owner, name, p) for owner in leaf.modules() for name, p in compat.direct_parameters(owner).items()
                   if p is not None and id(p) in full_of]
         return leaf_modules.substituted(owners, [full_of[id(p)] for _, _, p in owners])
 

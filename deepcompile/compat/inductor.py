@@ -1,34 +1,42 @@
-"""Everything that depends on the torch version or on torch internals lives here.
-
-Supported: torch 2.11 (GPU machine) and 2.12 (CI). Each helper states what it relies on; the
-tests in tests/test_compat.py fail loudly if a torch upgrade removes it.
-"""
+"""Inductor: the inner compiler, its decompositions, its joint-graph passes, and the lowerings
+that keep it from recycling buffers the runtime owns."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, List, Sequence
+
 import torch
+from torch.fx import GraphModule
 
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+from deepcompile.compat.fx import tree_leaves
 
 
-def mark_ops_side_effectful() -> None:
-    """Keep our output-less / result-unused ops alive through FX and Inductor dead-code removal.
+def inductor_decompositions() -> Dict[Any, Callable]:
+    """The decomposition table Inductor itself would hand aot_autograd.
 
-    Uses the public ``torch.fx.node.has_side_effect`` registry, which FX's ``is_impure`` and
-    Inductor's ``FallbackKernel.has_side_effects`` (through ``torch._library.utils.is_impure``)
-    consult. Unlike DeepSpeed we do not switch off Inductor's dead-node elimination globally.
+    Relies on ``torch._inductor.decomposition.select_decomp_table`` (it reads Inductor's config,
+    so it is asked at each compile rather than cached).
     """
-    from torch.fx.node import has_side_effect
+    from torch._inductor.decomposition import select_decomp_table
 
-    dc = torch.ops.dc
-    for op in (
-        dc.end_backward.default,
-        dc.reduce_grad.default,
-        dc.release_param.default,
-        dc.prefetch_params_fused.default,
-        dc.wait_allgather.default,
-    ):
-        has_side_effect(op)
+    return select_decomp_table()
+
+
+def inductor_compile(gm: GraphModule, example_inputs: Sequence[Any], is_backward: bool) -> Callable:
+    """Compile one graph half with Inductor, as its own aot_autograd callbacks do.
+
+    Must run inside aot_autograd's compiler callbacks (they set up the fake-tensor and tracing
+    context Inductor expects). Relies on ``torch._inductor.compile_fx.compile_fx_inner``; its
+    result is boxed (takes one argument list, which the generated code clears).
+    """
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+_INDUCTOR_PROTECTED = False
 
 
 def protect_runtime_buffers_in_inductor() -> None:
@@ -41,7 +49,7 @@ def protect_runtime_buffers_in_inductor() -> None:
     lowering, plus the affected buffer names in ``V.graph.never_reuse_buffers``.
 
     Relies on ``torch._inductor.lowering.register_lowering`` / ``fallback_handler`` and
-    ``GraphLowering.never_reuse_buffers`` (present in torch 2.11 and 2.12).
+    ``GraphLowering.never_reuse_buffers``.
     """
     global _INDUCTOR_PROTECTED
     if _INDUCTOR_PROTECTED:
@@ -49,11 +57,10 @@ def protect_runtime_buffers_in_inductor() -> None:
     from torch._inductor import ir
     from torch._inductor.lowering import fallback_handler, register_lowering
     from torch._inductor.virtualized import V
-    from torch.utils import _pytree as pytree
 
-    def names(tree):
+    def names(tree) -> List[str]:
         out = []
-        for leaf in pytree.tree_leaves(tree):
+        for leaf in tree_leaves(tree):
             if isinstance(leaf, ir.IRNode):
                 try:
                     out.append(leaf.get_name())
@@ -61,7 +68,7 @@ def protect_runtime_buffers_in_inductor() -> None:
                     pass  # nameless IR (constants, views of inputs): no buffer to protect
         return out
 
-    def lower(op, protect_inputs: bool, protect_outputs: bool):
+    def lower(op, protect_inputs: bool, protect_outputs: bool) -> None:
         fallback = fallback_handler(op, add_to_fallback_set=True)
 
         def lowering(*args, **kwargs):
@@ -84,25 +91,19 @@ def protect_runtime_buffers_in_inductor() -> None:
     _INDUCTOR_PROTECTED = True
 
 
-_INDUCTOR_PROTECTED = False
-
-
-def inductor_joint_graph_passes(joint: "torch.fx.GraphModule", joint_inputs) -> "torch.fx.GraphModule":
+def inductor_joint_graph_passes(joint: GraphModule, joint_inputs) -> GraphModule:
     """Run Inductor's joint-graph passes on a joint forward/backward graph, as its own partition
     function does before the min-cut partitioner.
 
     The backend partitions the joint graph itself (ZeRO-3 marks parameter views for recompute
     first), so without this it would skip the passes Inductor runs there: no-op removal and the
     pattern rewrites that, among others, let the loss gradient be produced in bf16 instead of a
-    materialised fp32 copy of the logits (1 GiB on a 32k-vocabulary Llama at 8k tokens per rank).
+    materialised fp32 copy of the logits (docs/design.md, "Measured").
 
     Relies on ``torch._inductor.compile_fx._recursive_joint_graph_passes``. Its signature differs
     between versions (2.12 takes ``input_device`` and returns the graph module; older ones rewrite
     in place and return None), so the call adapts to the parameters it finds.
     """
-    import contextlib
-    import inspect
-
     from torch._inductor import compile_fx
 
     run = compile_fx._recursive_joint_graph_passes

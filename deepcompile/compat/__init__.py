@@ -1,0 +1,81 @@
+"""Everything that depends on the torch version or on torch internals, one module per torch area.
+
+Supported: torch 2.11 and 2.12. The rest of the package reaches private torch surface only
+through the names below; each states what it relies on, and ``tests/test_compat.py`` checks each
+one, so a torch upgrade that moves something fails there, in a test named after the cause.
+
+* ``aot``: building the aot_autograd backend, the partitioner, and the conventions of the graphs
+  aot_autograd hands over (input order, names of saved inputs, gradient positions, recompute tags);
+* ``inductor``: the inner compiler, its decompositions and joint-graph passes, buffer protection;
+* ``dynamo``: registering the ``"deepcompile"`` backend name;
+* ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
+* ``modules``: swapping a module's registered parameter for a gathered tensor;
+* ``tensors``: multi-tensor (foreach) kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepcompile.compat.aot import (
+    aot_backend,
+    boxed,
+    forward_inputs,
+    gradient_output_index,
+    joint_primal_inputs,
+    mark_boxed,
+    mark_must_recompute,
+    min_cut_partition,
+    saved_forward_inputs,
+)
+from deepcompile.compat.dynamo import register_backend
+from deepcompile.compat.fx import (
+    eager_input_vals,
+    is_op_overload,
+    mark_ops_side_effectful,
+    overload_packet_name,
+    returns_view_of_input,
+    set_eager_input_vals,
+    tree_leaves,
+    tree_map_only,
+)
+from deepcompile.compat.inductor import (
+    inductor_compile,
+    inductor_decompositions,
+    inductor_joint_graph_passes,
+    protect_runtime_buffers_in_inductor,
+)
+from deepcompile.compat.modules import direct_parameters, swap_parameter
+from deepcompile.compat.tensors import foreach_mul_, foreach_norm
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+__all__ = [
+    "TORCH_VERSION",
+    "aot_backend",
+    "boxed",
+    "direct_parameters",
+    "eager_input_vals",
+    "foreach_mul_",
+    "foreach_norm",
+    "forward_inputs",
+    "gradient_output_index",
+    "inductor_compile",
+    "inductor_decompositions",
+    "inductor_joint_graph_passes",
+    "is_op_overload",
+    "joint_primal_inputs",
+    "mark_boxed",
+    "mark_must_recompute",
+    "mark_ops_side_effectful",
+    "min_cut_partition",
+    "overload_packet_name",
+    "protect_runtime_buffers_in_inductor",
+    "register_backend",
+    "returns_view_of_input",
+    "saved_forward_inputs",
+    "set_eager_input_vals",
+    "swap_parameter",
+    "tree_leaves",
+    "tree_map_only",
+]

@@ -1,0 +1,91 @@
+"""aot_autograd: building the backend, partitioning joint graphs, and the layout conventions of
+the graphs it hands to our compilers (which input is which, which output is whose gradient)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, TypeVar
+
+from torch.fx import GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+V = TypeVar("V")
+
+# aot_autograd names the joint graph's forward inputs primals_1, primals_2, ... (and the incoming
+# gradients tangents_1, ...).
+_PRIMAL_PREFIX = "primals_"
+
+
+def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable,
+                decompositions: Optional[Dict[Any, Callable]] = None) -> Callable:
+    """A Dynamo backend ``(gm, example_inputs) -> callable`` that traces the joint graph, splits
+    it with ``partition_fn`` and compiles the halves with the given compilers (``fw_compiler``
+    also compiles graphs that need no backward). Relies on
+    ``torch._dynamo.backends.common.aot_autograd``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    kwargs: Dict[str, Any] = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                  inference_compiler=fw_compiler, partition_fn=partition_fn)
+    if decompositions is not None:
+        kwargs["decompositions"] = decompositions
+    return aot_autograd(**kwargs)
+
+
+def min_cut_partition(joint: GraphModule, joint_inputs: Any, **kwargs: Any):
+    """aot_autograd's min-cut rematerialization partitioner (what Inductor uses); keyword
+    arguments (``num_fwd_outputs`` ...) are aot_autograd's and passed through. Relies on
+    ``torch._functorch.partitioners.min_cut_rematerialization_partition``."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def boxed(fn: Callable) -> Callable:
+    """``fn`` as a compiled graph half aot_autograd calls with one argument list.
+    Relies on ``functorch.compile.make_boxed_func``."""
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+def mark_boxed(obj: Any) -> None:
+    """Tell aot_autograd to call ``obj`` with one argument list (which the callee may clear to
+    free inputs early) instead of unpacked arguments. The flag is an instance attribute, so
+    ``functools.wraps`` copies it onto wrappers. Relies on the ``_boxed_call`` attribute."""
+    obj._boxed_call = True
+
+
+def joint_primal_inputs(joint: GraphModule) -> List[Node]:
+    """The joint graph's forward inputs, in the order of Dynamo's graph inputs."""
+    return [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith(_PRIMAL_PREFIX)]
+
+
+def forward_inputs(gm: GraphModule) -> List[Node]:
+    """The placeholders of a forward (or inference) graph half: Dynamo's graph inputs, in order."""
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def saved_forward_inputs(backward: GraphModule, forward_names: Dict[str, V]) -> Dict[Node, V]:
+    """The backward graph's placeholders that are forward inputs saved for backward, keyed to
+    ``forward_names[name]``: the partitioner keeps a saved input's placeholder name."""
+    return {n: forward_names[n.name] for n in backward.graph.nodes
+            if n.op == "placeholder" and n.name in forward_names}
+
+
+def gradient_output_index(input_index: int) -> int:
+    """Position, among the backward graph's outputs, of the gradient of forward input
+    ``input_index``: aot_autograd returns one output per forward input, in input order (None
+    for inputs without a gradient)."""
+    return input_index
+
+
+def mark_must_recompute(joint: GraphModule, nodes: Iterable[Node]) -> None:
+    """Make the partitioner recompute ``nodes`` in the backward instead of saving them.
+
+    Uses the activation-checkpointing tags the partitioner reads: ``meta["recompute"]``, and
+    ``meta["ac_graph_id"]``, which it compares between a tagged node and its users and therefore
+    expects on every node once any node is tagged.
+    """
+    for node in joint.graph.nodes:
+        node.meta.setdefault("ac_graph_id", 1)
+    for node in nodes:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -1,0 +1,70 @@
+"""FX and the op registry: what the graph passes need to know about an operator and a node
+beyond FX's public API, and the pytree helpers torch keeps private."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.fx import Node
+from torch.utils import _pytree as pytree
+
+
+def tree_leaves(tree: Any) -> List[Any]:
+    """The leaves of a nested structure of tuples, lists and dicts (``torch.utils._pytree``)."""
+    return pytree.tree_leaves(tree)
+
+
+def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with every leaf of type ``kind`` replaced by ``fn(leaf)`` (``torch.utils._pytree``)."""
+    return pytree.tree_map_only(kind, fn, tree)
+
+
+def mark_ops_side_effectful() -> None:
+    """Keep the runtime ops that return nothing useful alive through dead-code removal.
+
+    Uses ``torch.fx.node.has_side_effect``, which FX's ``Node.is_impure`` and Inductor's
+    ``FallbackKernel.has_side_effects`` (through ``torch._library.utils.is_impure``) consult.
+    Unlike DeepSpeed we do not switch off Inductor's dead-node elimination globally.
+    """
+    from torch.fx.node import has_side_effect
+
+    dc = torch.ops.dc
+    for op in (
+        dc.end_backward.default,
+        dc.reduce_grad.default,
+        dc.release_param.default,
+        dc.prefetch_params_fused.default,
+        dc.wait_allgather.default,
+    ):
+        has_side_effect(op)
+
+
+def is_op_overload(target: Any) -> bool:
+    """True if a node's target is one overload of a registered operator (``aten.mm.default``)
+    rather than a Python callable. Relies on ``torch._ops.OpOverload``."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def overload_packet_name(op: Any) -> str:
+    """The operator's name without namespace and overload: ``"mm"`` for ``aten.mm.default``.
+    Relies on ``OpOverload._overloadpacket``."""
+    return op._overloadpacket.__name__
+
+
+def returns_view_of_input(op: Any) -> bool:
+    """True if the operator's schema says a result aliases an input without writing it (a view).
+    Relies on ``OpOverload._schema`` and its ``alias_info``."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def eager_input_vals(node: Node) -> Optional[Tuple[tuple, Dict[str, Any]]]:
+    """The fake values ``(args, kwargs)`` torch recorded for a stride-sensitive operator's inputs
+    at trace time (``node.meta["eager_input_vals"]``); Inductor makes those inputs match them.
+    None when nothing was recorded."""
+    return node.meta.get("eager_input_vals")
+
+
+def set_eager_input_vals(node: Node, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Replace the recorded input values of ``node`` (see :func:`eager_input_vals`)."""
+    node.meta["eager_input_vals"] = (args, kwargs)

@@ -1,0 +1,21 @@
+"""nn.Module internals: swapping a registered parameter for a plain tensor for one call."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+
+
+def direct_parameters(module: nn.Module) -> Dict[str, Optional[nn.Parameter]]:
+    """The parameters registered on ``module`` itself (not its children), by attribute name, as
+    the live dict the module reads them from. Relies on ``nn.Module._parameters``."""
+    return module._parameters
+
+
+def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make ``module.<name>`` read ``value`` (any tensor, e.g. a non-leaf produced by an autograd
+    function) until swapped back, bypassing ``nn.Module.__setattr__``'s check that a registered
+    parameter is set to a Parameter. Relies on ``nn.Module._parameters``."""
+    module._parameters[name] = value

@@ -1,0 +1,120 @@
+"""The module as compiled through deepcompile: its backends, and recompiling when the plan changes.
+
+A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
+
+* one :class:`~deepcompile.compiler.backend.DeepCompileBackend` per inner compiler
+  (``backend_for``), shared by ``engine.compile()`` and the ``"deepcompile"`` string backend;
+* the ``torch.compile`` arguments of ``compile()``, to compile again with a fresh backend when
+  the pass schedule switches plans (``recompile``): Dynamo keys its cache by backend, so the new
+  wrapper traces afresh while nothing else is reset;
+* the retired backends, whose graphs may still run (and must be cut loose at ``close``);
+* which compiled module the string backend serves: the one created last and not closed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
+
+_ACTIVE: Optional["CompiledModule"] = None
+
+
+class CompiledModule:
+    def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int):
+        self.module = module
+        self.stage = stage
+        self.driver = driver
+        self.rank = rank
+        self._ds_id_of = ds_id_of
+        self._backends: Dict[str, DeepCompileBackend] = {}
+        self._retired: List[DeepCompileBackend] = []
+        self._compile_args: Optional[Tuple[str, Dict[str, Any]]] = None
+        self._own_backend: Optional[DeepCompileBackend] = None  # the backend of compile()
+        self._warned_string_backend = False
+        global _ACTIVE
+        _ACTIVE = self
+
+    def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> nn.Module:
+        """``torch.compile`` of the module with this engine's backend around ``backend``."""
+        if backend not in INNER_COMPILERS:
+            raise ValueError(f"backend must be one of {INNER_COMPILERS}, got {backend!r}")
+        self._compile_args = (backend, dict(torch_compile_kwargs))
+        return self._compile()
+
+    def _compile(self) -> nn.Module:
+        backend, kwargs = self._compile_args
+        self._own_backend = self.backend_for(backend)
+        return torch.compile(self.module, backend=self._own_backend, **kwargs)
+
+    def recompile(self) -> Optional[nn.Module]:
+        """The schedule switched plans: retire every backend and, if ``compile()`` was used,
+        return a fresh compilation of the module (None otherwise).
+
+        Code compiled through ``torch.compile(module, backend="deepcompile")`` cannot be
+        re-planned this way: it keeps its graphs (selective unsharding still applies).
+        """
+        string_backend_used = any(b is not self._own_backend for b in self._backends.values())
+        self._retired.extend(self._backends.values())  # their graphs may still run
+        self._backends = {}
+        compiled = self._compile() if self._compile_args is not None else None
+        if string_backend_used and not self._warned_string_backend and self.rank == 0:
+            self._warned_string_backend = True
+            warnings.warn(
+                "deepcompile: the pass schedule switched to '" + self.driver.applied.describe() + "', but code "
+                "compiled with torch.compile(..., backend='deepcompile') keeps its graphs (only selective "
+                "unsharding applies there); use engine.compile() for prefetch re-planning",
+                stacklevel=3,
+            )
+        return compiled
+
+    def backend_for(self, inner: str) -> DeepCompileBackend:
+        """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
+        if inner not in self._backends:
+            self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner)
+        return self._backends[inner]
+
+    @property
+    def has_backends(self) -> bool:
+        """True while a backend of the current plan exists: only graphs compiled by one can be
+        profiled."""
+        return bool(self._backends)
+
+    def close(self) -> None:
+        """Cut every path from compiled code (which may outlive the engine) to the engine's state."""
+        global _ACTIVE
+        for backend in [*self._backends.values(), *self._retired]:
+            backend.detach()
+        self._backends, self._retired, self._own_backend = {}, [], None
+        self._compile_args = None
+        self.driver = None
+        self._ds_id_of = {}
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+
+def active_compiled_module() -> CompiledModule:
+    """The compiled module of the engine created last by ``initialize`` (and not destroyed)."""
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "the 'deepcompile' backend needs an engine: call deepcompile.initialize(model, optimizer, config) "
+            "before torch.compile(model, backend='deepcompile')"
+        )
+    return _ACTIVE
+
+
+def deepcompile_backend(gm: torch.fx.GraphModule, example_inputs: List[Any],
+                        options: Optional[Dict[str, Any]] = None):
+    """``torch.compile(engine.module, backend="deepcompile")``: compiles for the active engine.
+
+    ``options={"inner": "eager"}`` selects the FX executor instead of Inductor.
+    """
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    if options:
+        raise ValueError(f"unknown deepcompile backend options {sorted(options)}; supported: ['inner']")
+    return active_compiled_module().backend_for(inner)(gm, example_inputs)

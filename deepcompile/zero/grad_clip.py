@@ -1,0 +1,32 @@
+"""Gradient clipping by the global L2 norm over partitioned gradients (every ZeRO stage)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from deepcompile import compat
+
+
+def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup],
+                    device: torch.device) -> torch.Tensor:
+    """Scale ``grads`` in place so that the L2 norm of all ranks' gradients together is at most
+    ``max_norm`` (no scaling when ``max_norm <= 0``); returns that norm (fp32, on ``device``).
+
+    Each rank holds a disjoint part of the gradients, so the squares of the local norms add up
+    over the ranks to the square of the global norm: one all-reduce of a scalar. The sum runs in
+    fp64, so many small partitions (one per ZeRO-3 parameter) add up without loss. A rank with no
+    gradient still joins the all-reduce (with 0), on ``device``.
+    """
+    local_sq = torch.zeros((), dtype=torch.float64, device=device)
+    if grads:
+        local_sq = torch.stack(compat.foreach_norm(grads)).double().pow(2).sum()
+    dist.all_reduce(local_sq, group=group)
+    norm = local_sq.sqrt().float()
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            compat.foreach_mul_(grads, coef)
+    return norm

@@ -1,0 +1,127 @@
+"""What every ZeRO stage provides to the engine, and to whatever reads or writes sharded state.
+
+The engine is stage-agnostic: it holds one :class:`Sharding` (``zero/stage3.py`` or
+``zero/stage12.py``) and drives it through the methods below. The second group of methods
+exposes this rank's part of the model as (parameter, flat range, fp32 master, optimizer state),
+the shape that distributed checkpoints, loading or exporting full weights, and offloading need,
+without knowing how a stage lays its partitions out.
+
+Flat ranges are in the coordinates of the full parameter flattened in row-major order, the same
+on every stage: ``ParamShard.local`` holds elements ``[start, end)`` of ``param.reshape(-1)``.
+Padding is never part of a range.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Dict, Iterator, List
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # a tensor field: no element-wise ==
+class ParamShard:
+    """This rank's piece of one partitioned parameter."""
+
+    name: str  # the parameter's first name in ``module.named_parameters()``
+    ds_id: int  # its id in the runtime's registry
+    shape: torch.Size  # the full parameter's shape
+    # 1-D, ``end - start`` elements, a view of the storage the stage reads: the fp32 master weights
+    # of a trainable parameter (ZeRO-3 frozen parameters: their shard, in the parameter's dtype).
+    # Writing it in place changes the model once ``Sharding.sync_params_from_shards`` has run.
+    local: torch.Tensor
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full parameter."""
+        return self.shape.numel()
+
+
+class Sharding(abc.ABC):
+    """One ZeRO stage's state: parameters, gradient partitions, master weights, optimizer.
+
+    Attributes every stage sets:
+
+    * ``stage``: 1, 2 or 3;
+    * ``optimizer``: what ``engine.optimizer`` is (the stage's optimizer front);
+    * ``ds_id_of``: ``id(parameter) -> ds id`` of every parameter registered with the runtime;
+      the backend maps graph inputs to parameters through it.
+    """
+
+    stage: int
+    optimizer: Any
+    ds_id_of: Dict[int, int]
+
+    # ---- the training loop ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def start_backward(self, boundary: bool) -> None:
+        """A backward is about to run; ``boundary``: it is the last micro-step of an accumulation
+        window. Makes the gradient partitions ready to receive reductions and opens the runtime's
+        accumulation window for this backward."""
+
+    @abc.abstractmethod
+    def step(self, gradient_clipping: float) -> None:
+        """The optimizer step at an accumulation boundary: clip the reduced gradients to the
+        global norm ``gradient_clipping`` (0: no clipping), update the master weights, drop the
+        gradient partitions and make the module's parameters reflect the update."""
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The module's state dict with full parameters, as CPU tensors, identical on every rank.
+        Collective: every rank must call it."""
+
+    @abc.abstractmethod
+    def eagerly_gathered_params(self) -> List[str]:
+        """Names of the parameters that had to be gathered outside compiled graphs."""
+
+    @abc.abstractmethod
+    def persistent_ids(self) -> List[int]:
+        """Ids of the parameters the runtime keeps gathered from the start (ZeRO-3's persistence
+        threshold); the schedule's planners count them as resident. Empty where nothing is
+        gathered."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Remove hooks and drop references; the engine is being destroyed."""
+
+    # ---- sharded state, for checkpoints, weight loading/export and offload ------------------
+
+    @abc.abstractmethod
+    def shards(self) -> Iterator[ParamShard]:
+        """Every partitioned parameter, once (tied parameters once), in ds id order, with this
+        rank's piece of it. Every rank lists the same parameters; a rank that holds nothing of
+        one gets an empty range."""
+
+    @abc.abstractmethod
+    def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
+        """The optimizer state of parameter ``ds_id`` on this rank, by the optimizer's key
+        (``exp_avg``, ``step`` ...). Per-element state is a view lined up with
+        ``ParamShard.local`` (writable in place); scalar state (Adam's ``step``) is returned as
+        is, and in ZeRO-1/2 is shared by all parameters of one param group. Empty before the
+        first step and for parameters the optimizer does not hold."""
+
+    @abc.abstractmethod
+    def sync_params_from_shards(self) -> None:
+        """After writing ``ParamShard.local`` tensors: make the module compute with the new
+        values (ZeRO-3: gathered copies become stale; ZeRO-1/2: the replicated parameters are
+        refreshed from the masters). Collective: every rank must call it."""
+
+    def param_names(self) -> Dict[int, str]:
+        """ds id -> name of every partitioned parameter."""
+        return {s.ds_id: s.name for s in self.shards()}
+
+
+def optimizer_state_piece(state: Dict[str, Any], master: torch.Tensor, where: slice) -> Dict[str, Any]:
+    """One parameter's piece of the optimizer state kept for ``master`` (a 1-D master tensor):
+    per-element state, shaped like ``master``, as a view ``[where]``; scalars (Adam's ``step``)
+    and non-tensors as they are."""
+    def piece(value):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
+            return value.detach()[where]
+        return value
+
+    return {key: piece(value) for key, value in state.items()}

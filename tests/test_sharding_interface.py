@@ -1,0 +1,144 @@
+"""The Sharding interface's accessors of sharded state (zero/sharding.py), on every stage.
+
+Two ranks (gloo on CPU): the shards of each rank together tile every parameter exactly, hold its
+values, line up with their optimizer state, and writing them changes the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import require_world_size, run_distributed
+from parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
+
+WORLD = 2
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _all_ranks(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _assemble(pieces_per_rank, numel_of):
+    """Full flat tensors from every rank's ``(ds_id, start, end, values)`` pieces; checks that the
+    pieces tile each parameter exactly once."""
+    full, covered = {}, {}
+    for pieces in pieces_per_rank:
+        for ds_id, start, end, values in pieces:
+            flat = full.setdefault(ds_id, torch.full((numel_of[ds_id],), float("nan")))
+            mask = covered.setdefault(ds_id, torch.zeros(numel_of[ds_id], dtype=torch.int32))
+            flat[start:end] = values
+            mask[start:end] += 1
+    for ds_id, mask in covered.items():
+        assert bool((mask == 1).all()), f"ds id {ds_id}: the ranks' ranges do not tile the parameter once"
+    return full
+
+
+def _train_one_step(engine, name, ctx):
+    n = GLOBAL_BATCH // ctx.world_size
+    x, y = batch(name, 0, device=ctx.device)
+    engine.backward(engine(x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]))
+    engine.step()
+
+
+def _reference_state(name, ctx):
+    """Single-process AdamW after one step on the whole batch: parameters and exp_avg by name."""
+    model = build_model(name, device=ctx.device)
+    opt = make_optimizer(model.parameters())
+    model(*batch(name, 0, device=ctx.device)).backward()
+    opt.step()
+    exp_avg = {}
+    for pname, p in model.named_parameters():
+        if p in opt.state:
+            exp_avg[pname] = opt.state[p]["exp_avg"].detach().reshape(-1).cpu()
+    return {k: v.detach().reshape(-1).cpu() for k, v in model.named_parameters()}, exp_avg
+
+
+def _accessors_body(ctx, stage, name):
+    import deepcompile
+
+    torch._dynamo.reset()
+    model = build_model(name, device=ctx.device)
+    initial = {k: v.detach().reshape(-1).cpu().clone() for k, v in model.named_parameters()}
+    trainable = {k for k, v in model.named_parameters() if v.requires_grad}
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), {"zero_optimization": {"stage": stage}})
+    sharding = engine.sharding
+    shards = list(sharding.shards())
+
+    # Every rank lists the same parameters, in ds id order; frozen ones only where partitioned.
+    ids = [s.ds_id for s in shards]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert all(r == [(s.ds_id, s.name) for s in shards] for r in _all_ranks([(s.ds_id, s.name) for s in shards]))
+    assert sharding.param_names() == {s.ds_id: s.name for s in shards}
+    listed = {s.name for s in shards}
+    assert listed == (set(initial) if stage == 3 else trainable), listed
+    numel_of = {s.ds_id: s.numel for s in shards}
+    for s in shards:
+        assert s.numel == initial[s.name].numel() and s.local.dim() == 1
+        assert s.local.numel() == s.end - s.start and 0 <= s.start <= s.end <= s.numel
+        if s.name in trainable:
+            assert s.local.dtype == torch.float32, "the local shard of a trainable parameter is its fp32 master"
+
+    # The pieces hold the parameters' values and tile them exactly.
+    full = _assemble(_all_ranks([(s.ds_id, s.start, s.end, s.local.cpu().clone()) for s in shards]), numel_of)
+    for s in shards:
+        torch.testing.assert_close(full[s.ds_id], initial[s.name].float(), **TOL)
+
+    # No optimizer state before the first step; afterwards it lines up with the shard.
+    assert all(sharding.shard_optimizer_state(s.ds_id) == {} for s in shards)
+    _train_one_step(engine, name, ctx)
+    ref_params, ref_exp_avg = _reference_state(name, ctx)
+    pieces = []
+    for s in shards:
+        state = sharding.shard_optimizer_state(s.ds_id)
+        if s.name not in trainable:
+            assert state == {}
+            continue
+        assert set(state) >= {"exp_avg", "exp_avg_sq", "step"}, sorted(state)
+        assert state["exp_avg"].shape == s.local.shape and state["exp_avg_sq"].shape == s.local.shape
+        pieces.append((s.ds_id, s.start, s.end, state["exp_avg"].cpu().clone()))
+    exp_avg = _assemble(_all_ranks(pieces), {i: n for i, n in numel_of.items() if any(p[0] == i for p in pieces)})
+    by_name = {s.ds_id: s.name for s in shards}
+    for ds_id, values in exp_avg.items():
+        torch.testing.assert_close(values, ref_exp_avg[by_name[ds_id]], **TOL)
+    trained = _assemble(_all_ranks([(s.ds_id, s.start, s.end, s.local.cpu().clone()) for s in shards]), numel_of)
+    for ds_id, values in trained.items():
+        torch.testing.assert_close(values, ref_params[by_name[ds_id]].float(), **TOL)
+
+    # Optimizer state is written through its views.
+    for s in shards:
+        state = sharding.shard_optimizer_state(s.ds_id)
+        if "exp_avg" in state:
+            state["exp_avg"].fill_(float(s.ds_id))
+    for s in shards:
+        state = sharding.shard_optimizer_state(s.ds_id)
+        if "exp_avg" in state:
+            assert bool((state["exp_avg"] == float(s.ds_id)).all())
+
+    # Writing the local shards and syncing changes the model on every rank.
+    with torch.no_grad():
+        for s in shards:
+            s.local.copy_(torch.arange(s.start, s.end, dtype=s.local.dtype, device=s.local.device) / 100 + s.ds_id)
+    sharding.sync_params_from_shards()
+    state = engine.full_state_dict()
+    for s in shards:
+        expected = (torch.arange(s.numel, dtype=torch.float32) / 100 + s.ds_id).to(state[s.name].dtype)
+        torch.testing.assert_close(state[s.name].reshape(-1), expected, **TOL)
+    # ... and what the next forward computes with (the gathered or replicated values).
+    x, y = batch(name, 1, device=ctx.device)
+    got = engine(x, y)
+    reference = build_model(name, device=ctx.device)
+    reference.load_state_dict(state)
+    torch.testing.assert_close(got.detach(), reference(x, y).detach(), **TOL)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("name", ["mlp", "lora"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shards_tile_parameters_line_up_with_optimizer_state_and_write_back(stage, name):
+    require_world_size(WORLD)
+    run_distributed(_accessors_body, world_size=WORLD, args=(stage, name))
