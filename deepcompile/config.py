@@ -288,6 +288,9 @@ class CompileConfig(_Section):
     symmetric_memory: bool = _key(_off_only("symmetric memory"), False, "Only false is accepted.")
     double_buffer: bool = _key(_bool, True, "Double-buffered gradient reduce buckets.")
     debug_log: bool = _key(_bool, False, "Rank-0 graph and timing logs.")
+    debug_checks: bool = _key(_bool, False, "Verify while training that no parameter placeholder reaches a "
+                              "computation and that every gradient is reduced exactly as often as it is "
+                              "produced (deepcompile/debug_checks.py); raises DebugCheckError otherwise.")
     report_dir: Optional[str] = _key(_optional(_string), None, "Directory for graph/profile reports, or null.")
     sync_before_reduce: bool = _key(_bool, False, "Debug: device sync before each reduce.")
     sync_after_reduce: bool = _key(_bool, False, "Debug: device sync after each reduce.")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import runtime
+from deepcompile import debug_checks, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
@@ -72,6 +72,10 @@ class Engine:
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
         )
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank)
+        self._ledger: Optional[debug_checks.ReductionLedger] = None
+        if config.compile.debug_checks:
+            self._ledger = debug_checks.ReductionLedger(self.sharding.param_names(), ())
+            debug_checks.install(self._ledger)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
 
     def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> "Engine":
@@ -102,18 +106,29 @@ class Engine:
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
         torch.ops.dc.end_backward([], EAGER_GRAPH_ID, True)
+        if self._ledger is not None:
+            debug_checks.check_finite("the loss", {"loss": loss.detach()})
 
     def step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
+        if self._ledger is not None:
+            self._check_window()
         self.sharding.step(self.config.gradient_clipping)
         self.global_steps += 1
         if self.scheduler.on_optimizer_step(self.global_steps):
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
                 self._compiled = recompiled
+
+    def _check_window(self) -> None:
+        """compile.debug_checks at the optimizer step: every gradient of the window arrived once,
+        and the reduced gradient partitions are finite."""
+        self._ledger.check_window(runtime.reduce_counts())
+        grads = {name: runtime.grad_target(ds_id) for ds_id, name in self._ledger.names.items()}
+        debug_checks.check_finite("reduced gradients", grads)
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the profile-guided passes decided at the last schedule switch ({} before any)."""
@@ -140,6 +155,8 @@ class Engine:
         self._compiled = None
         self.sharding.close()
         runtime.cleanup()
+        if self._ledger is not None and debug_checks.LEDGER is self._ledger:
+            debug_checks.install(None)
 
 
 def initialize(

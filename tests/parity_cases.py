@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -210,6 +211,8 @@ def train_engine(
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, dtype=dtype, device=device)
+    if os.environ.get("DC_DEBUG_CHECKS") == "1":  # run a whole suite with compile.debug_checks on
+        config = {**config, "compile": {**config.get("compile", {}), "debug_checks": True}}
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
     if use_torch_compile_api:
         compiled = torch.compile(engine.module, backend="deepcompile", options={"inner": backend})

@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 import torch
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat, runtime
+from deepcompile import compat, debug_checks, runtime
 from deepcompile.compiler.partitioner import make_partition_fn
 from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
@@ -50,6 +50,7 @@ class GraphRecord:
         self.param_slots = param_slots  # Dynamo input index -> ds id
         self.fw_param_names: Dict[str, int] = {}  # forward placeholder name -> ds id
         self.needs_backward = False
+        self.reduced_ids: List[int] = []  # ds ids whose gradients the backward reduces, once each
 
 
 class DeepCompileBackend:
@@ -104,6 +105,7 @@ class DeepCompileBackend:
             record.fw_param_names[node.name] = ds_id
         if self.stage == 3:
             insert_gather_release(gm, record.graph_id, params)
+            _debug_check_placeholders(gm, params, "forward")
         return self._finish(record, "forward", gm, inputs)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
@@ -111,9 +113,12 @@ class DeepCompileBackend:
         # Reductions first: a release whose last use is pointwise can then be anchored on the
         # reduction that consumes its result (passes/zero3.py) instead of splitting that region.
         grad_slots = {compat.gradient_output_index(i): ds_id for i, ds_id in record.param_slots.items()}
-        insert_reductions(gm, record.graph_id, grad_slots)
+        reductions = insert_reductions(gm, record.graph_id, grad_slots)
+        record.reduced_ids = [node.args[2] for node in reductions]
         if self.stage == 3:
-            insert_gather_release(gm, record.graph_id, compat.saved_forward_inputs(gm, record.fw_param_names))
+            params = compat.saved_forward_inputs(gm, record.fw_param_names)
+            insert_gather_release(gm, record.graph_id, params)
+            _debug_check_placeholders(gm, params, "backward")
         return self._finish(record, "backward", gm, inputs)
 
     def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):
@@ -128,12 +133,19 @@ class DeepCompileBackend:
                 gm.recompile()
         profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
         compiled = self._inner_compile(gm, inputs, is_backward=phase == "backward")
-        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver)
+        reduces = record.reduced_ids if phase == "backward" else []
+        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, reduces)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
             return compat.boxed(gm.forward)
         return compat.inductor_compile(gm, inputs, is_backward=is_backward)
+
+
+def _debug_check_placeholders(gm: GraphModule, params: Dict[Node, int], phase: str) -> None:
+    ledger = debug_checks.LEDGER
+    if ledger is not None:  # compile.debug_checks
+        debug_checks.check_placeholders_only_gathered(gm, params, ledger.names, phase)
 
 
 def _copy_graph_module(gm: GraphModule) -> GraphModule:
@@ -159,15 +171,16 @@ class _ProfiledCallable:
     has run (docs/design.md, "Measured"). ``detach`` drops every reference once the engine is gone.
     """
 
-    __slots__ = ("compiled", "gm", "signature", "record", "driver", "__weakref__", "__dict__")
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "reduces", "__weakref__", "__dict__")
 
-    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver):
+    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int]):
         compat.mark_boxed(self)
         self.compiled = compiled
         self.gm = gm
         self.signature = signature
         self.record = record
         self.driver = driver
+        self.reduces = reduces  # ds ids this half hands to reduce_grad once per run
         driver.track(self)
 
     def __call__(self, *args: Any):
@@ -176,6 +189,8 @@ class _ProfiledCallable:
         boxed = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if self.driver is None:
             raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
+        if self.reduces:
+            debug_checks.note_reductions(self.reduces)
         if self.driver.wants_profile(self.signature):
             return self.driver.run_profiled(self.gm, boxed, self.compiled, self.signature, self.record.graph_id,
                                             list(self.record.param_slots.values()))

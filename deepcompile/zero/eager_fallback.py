@@ -18,7 +18,7 @@ from typing import ContextManager, Dict, List, Set
 import torch
 import torch.nn as nn
 
-from deepcompile import compat
+from deepcompile import compat, debug_checks
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.partition import ShardedParam
 
@@ -47,6 +47,7 @@ class _GatherForEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        debug_checks.note_reductions((ctx.ds_id,))
         torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ctx.ds_id)
         return None, None
 
@@ -64,6 +65,7 @@ class _GatherLeafForEager(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         for ds_id, trainable, grad in zip(ctx.ds_ids, ctx.trainable, grads):
             if trainable:
+                debug_checks.note_reductions((ds_id,))
                 torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ds_id)
         return (None, None) + (None,) * len(grads)
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import runtime
+from deepcompile import debug_checks, runtime
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
@@ -76,6 +76,7 @@ class Zero12Sharding(Sharding):
     def _reduce_eager_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # compiled graphs reduce in-graph and hand autograd None
             return
+        debug_checks.note_reductions((self.ds_id_of[id(p)],))
         torch.ops.dc.reduce_grad(p.grad.contiguous(), EAGER_GRAPH_ID, self.ds_id_of[id(p)])
         p.grad = None
 
