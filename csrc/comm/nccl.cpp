@@ -3,7 +3,7 @@
 // lets gathers and reductions overlap compute on dedicated streams. The price is that these
 // collectives are invisible to c10d's watchdog, so every NCCL result is checked here.
 #include <deepcompile/communicator.h>
-#include <deepcompile/streams.h>
+#include <deepcompile/lanes.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -4,7 +4,7 @@
 #include <deepcompile/reduce_bucket.h>
 #include <deepcompile/registry.h>
 #include <deepcompile/runtime.h>
-#include <deepcompile/streams.h>
+#include <deepcompile/lanes.h>
 
 #include <gtest/gtest.h>
 

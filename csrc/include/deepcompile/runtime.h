@@ -6,7 +6,7 @@
 #include <deepcompile/communicator.h>
 #include <deepcompile/executor.h>
 #include <deepcompile/registry.h>
-#include <deepcompile/streams.h>
+#include <deepcompile/lanes.h>
 
 #include <map>
 #include <memory>

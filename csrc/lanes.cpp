@@ -1,6 +1,6 @@
 // Lanes and completions. The device lanes go through c10's virtual device guard, so they work
 // for CUDA without including CUDA headers (and keep this file cheap to compile).
-#include <deepcompile/streams.h>
+#include <deepcompile/lanes.h>
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
