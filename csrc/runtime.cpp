@@ -1,3 +1,4 @@
+#include <deepcompile/gather.h>
 #include <deepcompile/runtime.h>
 
 #include <unordered_set>
@@ -31,15 +32,23 @@ const char* stageName(int stage) {
   return "unknown stage";
 }
 
+const RuntimeConfig& validated(const RuntimeConfig& config) {
+  TORCH_CHECK(config.reduce_bucket_size > 0, "deepcompile: reduce_bucket_size must be positive, got ",
+              config.reduce_bucket_size);
+  TORCH_CHECK(config.free_activation_threshold >= 0, "deepcompile: free_activation_threshold must be >= 0");
+  return config;
+}
+
 }  // namespace
 
 Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config)
-    : lanes_(std::move(lanes)), comm_(std::move(comm)), config_(config) {
-  TORCH_CHECK(config_.reduce_bucket_size > 0, "deepcompile: reduce_bucket_size must be positive, got ",
-              config_.reduce_bucket_size);
-  TORCH_CHECK(config_.free_activation_threshold >= 0, "deepcompile: free_activation_threshold must be >= 0");
-  reducer_ = std::make_unique<GradReducer>(*this, config_.reduce_bucket_size, config_.double_buffer);
-}
+    : lanes_(std::move(lanes)),
+      comm_(std::move(comm)),
+      config_(validated(config)),
+      reducer_(std::make_unique<GradReducer>(registry_, *lanes_, *comm_, config_.reduce_bucket_size,
+                                             config_.double_buffer)),
+      executor_context_{registry_, *lanes_, *comm_, *reducer_, update_step_,
+                        [this](DsId id) { return anyExecutorHoldsGather(id); }} {}
 
 Runtime::~Runtime() { shutdown(); }
 
@@ -72,9 +81,9 @@ void Runtime::registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int 
   }
   std::unique_ptr<CustomOpExecutor> executor;
   switch (stage) {
-    case 1: executor = std::make_unique<Z1Executor>(*this, graph_id, ids); break;
-    case 2: executor = std::make_unique<Z2Executor>(*this, graph_id, ids); break;
-    default: executor = std::make_unique<Z3Executor>(*this, graph_id, ids); break;
+    case 1: executor = std::make_unique<Z1Executor>(executor_context_, graph_id, ids); break;
+    case 2: executor = std::make_unique<Z2Executor>(executor_context_, graph_id, ids); break;
+    default: executor = std::make_unique<Z3Executor>(executor_context_, graph_id, ids); break;
   }
   executors_[graph_id] = std::move(executor);
 }
@@ -175,7 +184,7 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
                 "this batch was registered");
   }
   for (Z3ParamSpec& s : specs) {
-    if (registry_.contains(s.id)) freeGathered(*this, registry_.get(s.id));
+    if (registry_.contains(s.id)) freeGathered(*lanes_, registry_.get(s.id));
     DSParam p;
     p.id = s.id;
     p.shape = s.shape;
@@ -207,7 +216,7 @@ void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor p
               "deepcompile: register_z12_param: ds id ", id, " at offset ", group_offset, " with ", numel,
               " elements does not fit in ", comm_->size(), " partitions of ", partition_numel, " elements");
   checkDevice(param, "register_z12_param", "the parameter");
-  if (registry_.contains(id)) freeGathered(*this, registry_.get(id));
+  if (registry_.contains(id)) freeGathered(*lanes_, registry_.get(id));
   DSParam p;
   p.id = id;
   p.shape = std::move(shape);
@@ -252,9 +261,9 @@ void Runtime::setPersistent(DsId id, bool persistent) {
   if (persistent) {
     // Gather now, in the gather dtype (what its uses ask for, so they need no conversion):
     // allocating persistent buffers early limits fragmentation.
-    if (!(p.valid && p.gathered.defined())) launchGathers(*this, {&p}, {p.gather_dtype});
+    if (!(p.valid && p.gathered.defined())) launchGathers(*lanes_, *comm_, {&p}, {p.gather_dtype});
   } else if (!anyExecutorHoldsGather(id)) {
-    freeGathered(*this, p);
+    freeGathered(*lanes_, p);
   }
 }
 
@@ -279,7 +288,7 @@ void Runtime::invalidateAllGathered() {
     if (p.persistent) {
       p.valid = false;  // keep the buffer; the next gather refills it
     } else if (p.gathered.defined() && !anyExecutorHoldsGather(p.id)) {
-      freeGathered(*this, p);
+      freeGathered(*lanes_, p);
     }
   });
 }

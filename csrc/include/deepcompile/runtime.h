@@ -5,8 +5,10 @@
 #include <deepcompile/common.h>
 #include <deepcompile/communicator.h>
 #include <deepcompile/executor.h>
-#include <deepcompile/registry.h>
+#include <deepcompile/grad_reducer.h>
 #include <deepcompile/lanes.h>
+#include <deepcompile/registry.h>
+#include <deepcompile/z3_executor.h>
 
 #include <map>
 #include <memory>
@@ -83,15 +85,17 @@ class Runtime {
   void shutdown();
 
  private:
+  // Declaration order is construction order: the executor context refers to everything above it.
   std::unique_ptr<Lanes> lanes_;
   std::unique_ptr<Communicator> comm_;
   RuntimeConfig config_;
   DSParamRegistry registry_;
-  std::unique_ptr<GradReducer> reducer_;
-  std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
   bool update_step_ = false;
   // The previous backward closed an accumulation window; the next one opens a new window.
   bool window_closed_ = true;
+  std::unique_ptr<GradReducer> reducer_;
+  ExecutorContext executor_context_;
+  std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
 };
 
 // The current runtime; throws a clear error when init() has not been called.

@@ -1,0 +1,91 @@
+// Gathering a ZeRO-3 parameter into its padded buffer, and freeing that buffer.
+#include <deepcompile/communicator.h>
+#include <deepcompile/gather.h>
+#include <deepcompile/lanes.h>
+
+namespace deepcompile {
+
+namespace {
+
+bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
+
+// Writes what this rank contributes to a gather of `p` (in `buffer`'s dtype) straight into its own
+// chunk of `buffer` and returns that chunk: the gather then runs in place, with no staging temporary per
+// parameter (one allocation and one launch less, per parameter and gather). The parameter's value
+// is its shard rounded to the gather dtype (a trainable shard is the fp32 master copy, the module
+// may be bf16), so the shard is cast to the gather dtype first and only then to another requested
+// one: every dtype sees the same rounding as the module parameter. In the usual case (the buffer
+// is in the gather dtype) the copy is the single cast.
+at::Tensor stageOwnChunk(const DSParam& p, const at::Tensor& buffer, int rank) {
+  at::Tensor shard = p.data.reshape({-1});
+  if (shard.scalar_type() != p.gather_dtype && buffer.scalar_type() != p.gather_dtype) {
+    shard = shard.to(p.gather_dtype);
+  }
+  at::Tensor own = buffer.narrow(0, static_cast<int64_t>(rank) * shard.numel(), shard.numel());
+  own.copy_(shard);
+  return own;
+}
+
+}  // namespace
+
+void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<DSParam*>& params,
+                   const std::vector<at::ScalarType>& dtypes) {
+  TORCH_INTERNAL_ASSERT(params.size() == dtypes.size());
+  if (params.empty()) return;
+  // The gather reads the shard (final once the optimizer step queued on compute is done) and may
+  // overwrite a reused buffer that compute kernels still read: wait for compute first.
+  lanes.waitCompute(Lane::AllGather);
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    comm.beginGroup(Lane::AllGather);
+    for (size_t i = 0; i < params.size(); ++i) {
+      DSParam& p = *params[i];
+      const at::ScalarType dtype = dtypes[i];
+      // Reuse the previous buffer only when it has the right size *and* dtype (a persistent
+      // parameter re-gathered in another dtype must not get the old dtype back).
+      const bool reuse = hasStorageBytes(p.gathered) && p.gathered.numel() == p.paddedNumel() &&
+                         p.gathered.scalar_type() == dtype;
+      if (!reuse) {
+        if (p.gathered.defined()) lanes.recordStream(p.gathered, lanes.computeStream());
+        // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
+        p.gathered = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
+      }
+      comm.allGather(stageOwnChunk(p, p.gathered, comm.rank()), p.gathered);  // fused down-cast
+      p.valid = true;
+    }
+  }
+  CompletionPtr done = comm.endGroup();
+  for (DSParam* p : params) p->gather_done = done;
+}
+
+at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, DSParam& p, at::ScalarType dtype) {
+  lanes.waitCompute(Lane::AllGather);
+  at::Tensor buffer;
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    buffer = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
+    comm.beginGroup(Lane::AllGather);
+    comm.allGather(stageOwnChunk(p, buffer, comm.rank()), buffer);
+  }
+  comm.endGroup()->blockStream(lanes.computeStream());
+  lanes.recordStream(buffer, lanes.computeStream());
+  return buffer.narrow(0, 0, p.numel).view(p.shape);
+}
+
+void freeGathered(Lanes& lanes, DSParam& p) {
+  if (p.gathered.defined()) {
+    // CPU: the gather may still write into the buffer from gloo's thread; finish it first.
+    // CUDA: the compute stream read the buffer after waiting for the gather; the allocator must
+    // not hand the block out before those kernels ran.
+    if (p.gather_done && lanes.device().is_cpu()) p.gather_done->hostWait();
+    lanes.recordStream(p.gathered, lanes.computeStream());
+    // Free the storage itself, not just this handle: views handed to the graph share it and
+    // would otherwise keep the padded buffer alive.
+    p.gathered.storage().unsafeGetStorageImpl()->reset();
+  }
+  p.gathered = at::Tensor();
+  p.valid = false;
+  p.gather_done = nullptr;
+}
+
+}  // namespace deepcompile

@@ -1,0 +1,47 @@
+// Gradient reduction shared by all executors: gradients are copied into per-dtype reduce
+// buckets on the copy lane and reduced on the reduce lane, ZeRO-3 parameters with a
+// reduce-scatter of a zero-padded slot, ZeRO-1/2 parameters with one reduce per owning rank
+// (so each rank receives only its partition, never the full gradient).
+#pragma once
+
+#include <deepcompile/common.h>
+#include <deepcompile/reduce_bucket.h>
+#include <deepcompile/registry.h>
+
+#include <map>
+#include <vector>
+
+namespace deepcompile {
+
+class Communicator;
+class Lanes;
+
+class GradReducer {
+ public:
+  // The registry is where flushes find each task's parameter (its target and window state);
+  // lanes and communicator are where the copies and collectives are issued.
+  GradReducer(DSParamRegistry& registry, Lanes& lanes, Communicator& comm, int64_t bucket_size, bool double_buffer);
+
+  void enqueue(DSParam& param, const at::Tensor& grad);
+  void flush(at::ScalarType dtype);
+  void flushAll();
+  void releaseBuckets();
+  size_t pendingTasks() const;
+  int64_t bucketNumel() const { return buckets_.allocatedNumel(); }
+
+ private:
+  struct Task {
+    DsId id;
+    int64_t numel;
+    at::Tensor slot;  // view into the current bucket, written on the copy lane
+    at::Tensor grad;  // held until the flush copies it into the slot
+  };
+  void copyIntoSlots(at::ScalarType dtype, std::vector<Task>& tasks);
+  DSParamRegistry& registry_;
+  Lanes& lanes_;
+  Communicator& comm_;
+  DoubleBufferedReduceBucket buckets_;
+  std::map<at::ScalarType, std::vector<Task>> tasks_;
+};
+
+}  // namespace deepcompile

@@ -1,0 +1,83 @@
+// ZeRO-3: gathering parameters before use and freeing them after their last use.
+#include <deepcompile/gather.h>
+#include <deepcompile/lanes.h>
+#include <deepcompile/z3_executor.h>
+
+namespace deepcompile {
+
+at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
+  DSParam& p = param(id, "allgather_param");
+  const at::ScalarType target = dtype.value_or(p.gather_dtype);
+  if (!(p.valid && p.gathered.defined())) {
+    launchGathers(ctx_.lanes, ctx_.comm, {&p}, {target});
+    return p.gatheredView();
+  }
+  // Prefetches and persistent gathers land in the gather dtype, which is also what a request
+  // without a dtype asks for: the normal path returns the buffer without any conversion.
+  if (p.gathered.scalar_type() == target) return p.gatheredView();
+  if (p.gathered.scalar_type() == p.gather_dtype) {
+    // Valid in the gather dtype, another one requested (e.g. a fused cast of a persistent
+    // parameter): the buffer holds the parameter's exact values, so converting gives what a
+    // fresh gather would, but only after the gather landed.
+    if (p.gather_done) p.gather_done->blockStream(ctx_.lanes.computeStream());
+    return p.gatheredView().to(target);
+  }
+  // Valid only in a narrower dtype: converting back would lose precision. Gather a private
+  // copy in the requested dtype; the registered buffer is left to its own release.
+  return gatherPrivateCopy(ctx_.lanes, ctx_.comm, p, target);
+}
+
+void Z3Executor::prefetch(const std::vector<DsId>& ids, const std::vector<at::ScalarType>& dtypes) {
+  std::vector<DSParam*> todo;
+  std::vector<at::ScalarType> todo_dtypes;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    DSParam& p = param(ids[i], "prefetch_params_fused");
+    if (p.valid && p.gathered.defined()) continue;
+    todo.push_back(&p);
+    todo_dtypes.push_back(dtypes[i]);
+  }
+  launchGathers(ctx_.lanes, ctx_.comm, todo, todo_dtypes);
+}
+
+void Z3Executor::wait(DsId id) {
+  DSParam& p = param(id, "wait_allgather");
+  TORCH_CHECK(p.valid && p.gathered.defined(), "dc.wait_allgather: ds id ", id,
+              " is not gathered (no allgather_param or prefetch issued since its last release)");
+  if (p.gather_done) p.gather_done->blockStream(ctx_.lanes.computeStream());
+}
+
+void Z3Executor::release(DsId id, int64_t n_users) {
+  DSParam& p = param(id, "release_param");
+  TORCH_CHECK(n_users >= 1, "dc.release_param: n_users must be >= 1, got ", n_users, " (ds id ", id, ")");
+  ReleaseCount& count = releases_[id];
+  if (count.remaining == 0) {
+    count.remaining = n_users;
+    count.n_users = n_users;
+  } else {
+    TORCH_CHECK(count.n_users == n_users, "dc.release_param: inconsistent n_users for ds id ", id, " in graph ",
+                graph_id_, ": this gather episode started with ", count.n_users, ", got ", n_users);
+  }
+  if (--count.remaining > 0 || p.persistent) return;
+  // Several graphs may use a parameter at once (e.g. nested frames): the last holder frees it.
+  if (ctx_.any_holds_gather(id)) return;
+  freeGathered(ctx_.lanes, p);
+}
+
+bool Z3Executor::holdsGather(DsId id) const {
+  auto it = releases_.find(id);
+  return it != releases_.end() && it->second.remaining > 0;
+}
+
+void Z3Executor::endBackward(bool update_step) {
+  if (!update_step) return;
+  // The optimizer is about to change the shards: gathered copies (persistent ones included)
+  // become stale. Persistent buffers are kept and re-filled by the next gather.
+  for (DsId id : ids_) {
+    DSParam& p = ctx_.registry.get(id);
+    if (p.persistent) {
+      p.valid = false;
+    }
+  }
+}
+
+}  // namespace deepcompile
