@@ -28,7 +28,7 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   const at::Tensor grad = grad_in.detach();
   // Reduced in the dtype the target expects (e.g. bf16 gradients into fp32 partitions). The cast
   // happens in the copy into the bucket slot (copyIntoSlots), on the copy lane: no full-size
-  // converted temporary on the compute stream (for an LM head, hundreds of MB at the backward peak).
+  // converted temporary on the compute stream (for an LM head, a large one at the backward peak).
   const at::ScalarType dtype = param.expected_grad_dtype.value_or(grad.scalar_type());
   // ZeRO-3 slots are padded to world * ppr and zero-filled, so the reduce-scatter never reads
   // past the gradient (the padding tail of the last rank's partition stays exactly zero).
@@ -56,9 +56,9 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
 
   // The copy into the slot waits for the flush, which copies all of a bucket's gradients in one
   // batch: one compute-stream wait and a few multi-tensor launches per bucket instead of a wait,
-  // a copy and a fill per gradient (about 150 per step on a 1B Llama, on the host's critical
-  // path of the backward). The task holds the gradient until then; the graph may drop its own
-  // reference right after this op, and nothing writes into a gradient once it is handed over.
+  // a copy and a fill per gradient, each on the host's critical path of the backward. The task
+  // holds the gradient until then; the graph may drop its own reference right after this op,
+  // and nothing writes into a gradient once it is handed over.
   tasks_[dtype].push_back(Task{param.id, param.numel, slot, grad});
   // A full bucket (typically one grown for a single large gradient, an LM head or embedding) takes
   // nothing more: reduce it now rather than when the next gradient arrives, which starts its
