@@ -1,0 +1,98 @@
+// Shared fixtures of the C++ tests: a loopback communicator, host lanes that count host waits,
+// and a runtime built over them. Executors run in-process over these (world size 1, or a
+// simulated world where every "rank" holds the same data), which exercises bucketing, flushing,
+// accumulation and gather/release bookkeeping without a process group.
+#pragma once
+
+#include <deepcompile/communicator.h>
+#include <deepcompile/lanes.h>
+#include <deepcompile/runtime.h>
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+namespace dctest {
+
+using namespace deepcompile;
+
+// Every rank is assumed to hold this rank's tensors: all-gather tiles them, reductions (averages)
+// leave them as they are. Enough to check layouts and bookkeeping without a process group.
+class MirrorCommunicator final : public Communicator {
+ public:
+  MirrorCommunicator(int rank, int world) : rank_(rank), world_(world) {}
+  int rank() const override { return rank_; }
+  int size() const override { return world_; }
+  const char* name() const override { return "mirror"; }
+  void beginGroup(Lane) override { ++groups; }
+  void allGather(const at::Tensor& send, const at::Tensor& recv) override {
+    ++gathers;
+    for (int r = 0; r < world_; ++r) recv.narrow(0, r * send.numel(), send.numel()).copy_(send.reshape({-1}));
+  }
+  void reduceScatter(const at::Tensor& send, const at::Tensor& recv) override {
+    ++reduce_scatters;
+    recv.copy_(send.narrow(0, rank_ * recv.numel(), recv.numel()));  // the average of equal tensors
+  }
+  void reduce(const at::Tensor& buffer, int root) override {
+    ++reduces;
+    roots.push_back(root);  // the average of equal buffers: the buffer itself
+  }
+  CompletionPtr endGroup() override { return readyCompletion(); }
+  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {
+    std::vector<int64_t> out;
+    for (int r = 0; r < world_; ++r) out.insert(out.end(), values.begin(), values.end());
+    return out;
+  }
+  int groups = 0, gathers = 0, reduce_scatters = 0, reduces = 0;
+  std::vector<int> roots;
+
+ private:
+  int rank_, world_;
+};
+
+// Host lanes whose completions count host waits: the reduce path must order buffer reuse on the
+// lanes (blockStream), never by blocking the host.
+class CountingLanes final : public Lanes {
+ public:
+  struct Counted final : Completion {
+    explicit Counted(int& waits) : waits_(waits) {}
+    void blockStream(const c10::Stream&) override {}
+    void hostWait() override { ++waits_; }
+    int& waits_;
+  };
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  c10::Stream stream(Lane) const override { return c10::Stream(c10::Stream::DEFAULT, device()); }
+  c10::Stream computeStream() const override { return stream(Lane::AllGather); }
+  void waitCompute(Lane) override {}
+  CompletionPtr record(Lane) override { return std::make_shared<Counted>(host_waits); }
+  void synchronize(Lane) override { ++host_waits; }
+  void synchronizeDevice() override { ++host_waits; }
+  void recordStream(const at::Tensor&, const c10::Stream&) override {}
+  int host_waits = 0;  // completions waited on and lanes synchronised by the host
+};
+
+struct RuntimeFixture : ::testing::Test {
+  MirrorCommunicator* comm = nullptr;
+  std::unique_ptr<Runtime> rt;
+  void make(int rank, int world, int64_t bucket = 1000, bool double_buffer = true) {
+    auto c = std::make_unique<MirrorCommunicator>(rank, world);
+    comm = c.get();
+    RuntimeConfig cfg;
+    cfg.reduce_bucket_size = bucket;
+    cfg.double_buffer = double_buffer;
+    rt = std::make_unique<Runtime>(makeHostLanes(), std::move(c), cfg);
+  }
+};
+
+// This rank's shard of `full`: the flattened parameter, zero-padded to a multiple of `world`.
+inline at::Tensor shardOf(const at::Tensor& full, int rank, int world) {
+  const int64_t ppr = ceilDiv(full.numel(), world);
+  at::Tensor padded = at::zeros({ppr * world}, full.options());
+  padded.narrow(0, 0, full.numel()).copy_(full.reshape({-1}));
+  return padded.narrow(0, rank * ppr, ppr).clone();
+}
+
+inline at::Tensor cpuAlloc(int64_t n, at::ScalarType dtype) { return at::empty({n}, at::TensorOptions().dtype(dtype)); }
+
+}  // namespace dctest

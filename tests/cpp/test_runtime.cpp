@@ -1,0 +1,79 @@
+// The runtime: registration checks, accumulation windows, end of backward and error reporting.
+#include <deepcompile/runtime.h>
+
+#include "fixtures.h"
+
+#include <gtest/gtest.h>
+
+using namespace deepcompile;
+using namespace dctest;
+
+namespace {
+
+struct RuntimeTest : RuntimeFixture {};
+
+}  // namespace
+
+TEST_F(RuntimeTest, NonFloatingGatherDtypeIsRejectedWithItsId) {
+  make(0, 2);
+  Runtime::Z3ParamSpec spec{9, {4}, at::ones({2}), at::Tensor(), false, std::nullopt, at::kInt};
+  try {
+    rt->registerZ3Params({spec});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gather dtype of ds id 9"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(rt->registry().contains(9));
+}
+
+// dc.end_backward flushes the last reductions and orders the compute stream after them on the
+// device; the host goes on to queue the optimizer step. DeepSpeed synchronises the host there.
+TEST(RuntimeHostWaits, EndOfBackwardDoesNotWaitOnTheHost) {
+  auto lanes = std::make_unique<CountingLanes>();
+  CountingLanes* counting = lanes.get();
+  RuntimeConfig cfg;
+  cfg.reduce_bucket_size = 4;
+  Runtime rt(std::move(lanes), std::make_unique<MirrorCommunicator>(0, 1), cfg);
+  at::Tensor target = at::empty({3});
+  rt.registerZ3Params({{1, {3}, at::zeros({3}), target, false, std::nullopt}});
+  rt.registerGraph(1, {1}, 3);
+  rt.startBackward(true);
+  rt.executor(1, "test").reduceGrad(at::full({3}, 2.0f), 1, "test");
+  rt.endBackward(1, /*release_reduce_buckets=*/true);
+  EXPECT_EQ(counting->host_waits, 0);
+  EXPECT_EQ(rt.reducer().pendingTasks(), 0u);
+  EXPECT_TRUE(at::equal(target, at::full({3}, 2.0f)));
+}
+
+TEST_F(RuntimeTest, AccumulationWindowsAndSharedParams) {
+  make(0, 1);
+  at::Tensor target = at::empty({2});
+  rt->registerZ3Params({{1, {2}, at::zeros({2}), target, false, std::nullopt}});
+  rt->registerGraph(1, {1}, 3);
+  rt->registerGraph(2, {1}, 3);  // the same parameter in a second graph
+  auto step = [&](bool update, std::vector<std::pair<GraphId, float>> grads) {
+    rt->startBackward(update);
+    for (auto& g : grads) rt->executor(g.first, "test").reduceGrad(at::full({2}, g.second), 1, "test");
+    rt->reducer().flushAll();
+  };
+  step(false, {{1, 1.0f}});
+  step(true, {{1, 2.0f}, {2, 3.0f}});  // two graphs, one window: 1 + 2 + 3
+  EXPECT_EQ(target[0].item<float>(), 6.0f);
+  step(false, {{2, 4.0f}});  // a new window starts by overwriting
+  EXPECT_EQ(target[0].item<float>(), 4.0f);
+}
+
+TEST_F(RuntimeTest, ErrorsForBadIdsAndStages) {
+  make(0, 2);
+  rt->registerZ3Params({{1, {4}, at::ones({2}), at::Tensor(), false, std::nullopt}});
+  rt->registerZ12Param(2, {4}, at::ones({4}), 0, 2);
+  EXPECT_THROW(rt->executor(99, "test"), c10::Error);                 // unknown graph
+  EXPECT_THROW(rt->registerGraph(1, {77}, 3), c10::Error);            // unknown ds id
+  EXPECT_THROW(rt->registerGraph(1, {2}, 3), c10::Error);             // ZeRO-1/2 param in a ZeRO-3 graph
+  rt->registerGraph(1, {1}, 3);
+  rt->registerGraph(2, {2}, 2);
+  EXPECT_THROW(rt->z3Executor(2, "test"), c10::Error);                // wrong stage
+  EXPECT_THROW(rt->z3Executor(1, "test").allgather(2, std::nullopt), c10::Error);  // id not in graph
+  EXPECT_THROW(rt->registerZ3Params({{3, {4}, at::ones({3}), at::Tensor(), false, std::nullopt}}), c10::Error);
+  EXPECT_THROW(rt->bindGradTarget(2, at::empty({5}), true), c10::Error);  // wrong target size
+}
