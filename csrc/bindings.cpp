@@ -90,11 +90,9 @@ PYBIND11_MODULE(_C, m) {
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
   }, py::call_guard<py::gil_scoped_release>());
   m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
-  m.def("start_forward", [] { currentRuntime(); });
-  m.def("end_forward", [] { currentRuntime(); });
   m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
-  m.def("enable_profiling", [](bool enabled) { currentRuntime().profiling = enabled; });
-  m.def("is_profiling", [] { return currentRuntime().profiling; });
+  m.def("enable_profiling", [](bool enabled) { currentRuntime().setProfiling(enabled); });
+  m.def("is_profiling", [] { return currentRuntime().profiling(); });
   m.def("invalidate_gathered_param", [](int64_t id) { currentRuntime().invalidateGathered(id); }, py::call_guard<py::gil_scoped_release>());
   m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); }, py::call_guard<py::gil_scoped_release>());
   m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); }, py::call_guard<py::gil_scoped_release>());

@@ -59,8 +59,7 @@ at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
   Runtime& rt = currentRuntime();
   rt.checkDevice(grad, "reduce_grad", "the gradient");
   CustomOpExecutor& ex = rt.executor(graph_id, "reduce_grad");
-  // While profiling, graphs run for measurement only: nothing is reduced, no state changes.
-  if (!rt.profiling) {
+  if (!rt.profiling()) {
     syncIf(rt.config().sync_before_reduce);
     ex.reduceGrad(grad, id, "reduce_grad");
     syncIf(rt.config().sync_after_reduce);
@@ -74,7 +73,7 @@ void end_backward(at::TensorList deps, int64_t graph_id, bool release_reduce_buc
 
 void free_tensors(at::TensorList tensors) {
   Runtime& rt = currentRuntime();
-  if (rt.profiling) return;
+  if (rt.profiling()) return;
   for (const at::Tensor& t : tensors) {
     if (!t.defined()) continue;
     // The threshold is in bytes of the tensor itself (DeepSpeed documents bytes but compared

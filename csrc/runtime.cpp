@@ -122,7 +122,7 @@ void Runtime::startBackward(bool update_step) {
 
 void Runtime::endBackward(GraphId graph_id, bool release_reduce_buckets) {
   CustomOpExecutor& ex = executor(graph_id, "end_backward");
-  if (profiling) return;
+  if (profiling_) return;
   // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
   reducer().flushAll();
   // The optimizer reads the targets right after backward, on the compute stream: that stream

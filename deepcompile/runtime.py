@@ -44,8 +44,6 @@ __all__ = [
     "unbind_grad_targets",
     "register_graph",
     "set_persistent",
-    "start_forward",
-    "end_forward",
     "start_backward",
     "enable_profiling",
     "is_profiling",
@@ -261,14 +259,6 @@ def register_graph(graph_id: int, ds_ids: Sequence[int], stage: int) -> None:
 def set_persistent(ds_id: int, persistent: bool = True) -> None:
     """Keep parameter ``ds_id`` gathered across releases (selective unsharding)."""
     _C.set_persistent(int(ds_id), bool(persistent))
-
-
-def start_forward() -> None:
-    _C.start_forward()
-
-
-def end_forward() -> None:
-    _C.end_forward()
 
 
 def start_backward(update: bool) -> None:

@@ -981,8 +981,6 @@ def _body_errors_before_init(ctx):
         ("unbind_grad_targets", runtime.unbind_grad_targets, ()),
         ("register_graph", runtime.register_graph, (GRAPH, [1], 3)),
         ("set_persistent", runtime.set_persistent, (1,)),
-        ("start_forward", runtime.start_forward, ()),
-        ("end_forward", runtime.end_forward, ()),
         ("start_backward", runtime.start_backward, (True,)),
         ("reset", runtime.reset, ()),
         ("enable_profiling", runtime.enable_profiling, (True,)),

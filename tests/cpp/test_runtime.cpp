@@ -77,3 +77,18 @@ TEST_F(RuntimeTest, ErrorsForBadIdsAndStages) {
   EXPECT_THROW(rt->registerZ3Params({{3, {4}, at::ones({3}), at::Tensor(), false, std::nullopt}}), c10::Error);
   EXPECT_THROW(rt->bindGradTarget(2, at::empty({5}), true), c10::Error);  // wrong target size
 }
+
+TEST_F(RuntimeTest, ProfilingEndOfBackwardFlushesNothing) {
+  make(0, 1);
+  rt->registerZ3Params({{1, {2}, at::zeros({2}), at::empty({2}), false, std::nullopt}});
+  rt->registerGraph(1, {1}, 3);
+  rt->startBackward(true);
+  rt->executor(1, "test").reduceGrad(at::ones({2}), 1, "test");
+  rt->setProfiling(true);
+  EXPECT_TRUE(rt->profiling());
+  rt->endBackward(1, /*release_reduce_buckets=*/false);
+  EXPECT_EQ(rt->reducer().pendingTasks(), 1u);
+  rt->setProfiling(false);
+  rt->endBackward(1, /*release_reduce_buckets=*/true);
+  EXPECT_EQ(rt->reducer().pendingTasks(), 0u);
+}

@@ -1,5 +1,9 @@
 // The lanes: where the runtime puts asynchronous work and how it orders that work against the
 // compute stream (the stream current when an op is called).
+//
+// Lane::Offload and Lane::Reload have no user yet: nothing is issued on them today. They are
+// reserved for the offload work still to come (moving tensors to host memory and back), so that
+// it does not change the lane layout.
 #pragma once
 
 #include <deepcompile/common.h>

@@ -79,7 +79,10 @@ class Runtime {
   // orders the compute stream after them, without blocking the host.
   void endBackward(GraphId graph_id, bool release_reduce_buckets);
   bool updateStep() const { return update_step_; }
-  bool profiling = false;
+  // While profiling, graphs run for measurement only: reduce_grad, end_backward and free_tensors
+  // leave every piece of state as it is.
+  void setProfiling(bool enabled) { profiling_ = enabled; }
+  bool profiling() const { return profiling_; }
 
   // Waits for all in-flight work, then drops buffers and the communicator.
   void shutdown();
@@ -93,6 +96,7 @@ class Runtime {
   bool update_step_ = false;
   // The previous backward closed an accumulation window; the next one opens a new window.
   bool window_closed_ = true;
+  bool profiling_ = false;
   std::unique_ptr<GradReducer> reducer_;
   ExecutorContext executor_context_;
   std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
