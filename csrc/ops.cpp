@@ -84,14 +84,19 @@ void free_tensors(at::TensorList tensors) {
   }
 }
 
-// ---- Meta kernels: shapes only; they need the runtime for registered parameter shapes.
+// ---- Meta kernels: shapes and dtypes from the inputs, so that tracing does not depend on what
+// the live runtime holds.
 
 at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id,
                                 std::optional<at::ScalarType> dtype) {
-  const DSParam& p = currentRuntime().registry().get(id);
-  // Without a requested dtype the result has the parameter's gather dtype (not the shard's
-  // storage dtype, which is fp32 for trainable parameters).
-  return at::empty(p.shape, a.options().dtype(dtype.value_or(p.gather_dtype)));
+  // Traced calls pass the parameter's placeholder, which has the full shape (the ZeRO-3 pass,
+  // the eager fallback). The real kernel does not check this: eager callers may pass the shard.
+  if (dtype.has_value()) return at::empty(a.sizes(), a.options().dtype(*dtype));
+  // The schema keeps DeepSpeed's optional dtype, and its default, the parameter's gather dtype,
+  // is known only to the registry: `a` may be stored in another dtype (an fp32 master shard of
+  // a bf16 parameter). The ZeRO-3 pass and the prefetch planner always name the dtype, so only
+  // calls without one read the registry here.
+  return at::empty(a.sizes(), a.options().dtype(currentRuntime().registry().get(id).gather_dtype));
 }
 
 void prefetch_params_fused_meta(int64_t, at::TensorList, at::IntArrayRef, std::optional<at::ArrayRef<at::ScalarType>>) {}

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from deepcompile import runtime
 from deepcompile.runtime import RuntimeConfig
+from deepcompile.zero.partition import make_placeholder
 
 ops = torch.ops.dc
 GRAPH = 7
@@ -122,9 +123,11 @@ def test_alias_annotations():
 
 def test_opcheck_allgather_param(rt):
     full, shard, _ = _register_z3(3, (5, 3))
-    torch.library.opcheck(ops.allgather_param.default, (shard, GRAPH, 3), test_utils=OPCHECK_UTILS)
+    # Traced calls pass the parameter's placeholder: the fake kernel takes the shape from it.
+    placeholder = make_placeholder(full.shape, full.dtype, full.device)
+    torch.library.opcheck(ops.allgather_param.default, (placeholder, GRAPH, 3), test_utils=OPCHECK_UTILS)
     torch.library.opcheck(
-        ops.allgather_param.default, (shard, GRAPH, 3), {"dtype": torch.bfloat16}, test_utils=OPCHECK_UTILS
+        ops.allgather_param.default, (placeholder, GRAPH, 3), {"dtype": torch.bfloat16}, test_utils=OPCHECK_UTILS
     )
     out = ops.allgather_param(shard, GRAPH, 3)
     assert torch.equal(out, full)
@@ -201,7 +204,7 @@ def test_fake_allgather_uses_shard_dtype(rt):
     """DS gap 7: without dtype the fake result must have the shard's dtype (bf16), not float32."""
     _register_z3(4, (3, 5), dtype=torch.bfloat16)
     with FakeTensorMode():
-        placeholder = torch.empty(0, dtype=torch.bfloat16)
+        placeholder = make_placeholder((3, 5), torch.bfloat16, "cpu")
         out = ops.allgather_param(placeholder, GRAPH, 4)
         assert tuple(out.shape) == (3, 5)
         assert out.dtype == torch.bfloat16
@@ -212,9 +215,19 @@ def test_fake_allgather_uses_shard_dtype(rt):
 
 def test_meta_allgather_uses_shard_dtype(rt):
     _register_z3(4, (3, 5), dtype=torch.bfloat16)
-    out = ops.allgather_param(torch.empty(0, dtype=torch.bfloat16, device="meta"), GRAPH, 4)
+    out = ops.allgather_param(torch.empty(3, 5, dtype=torch.bfloat16, device="meta"), GRAPH, 4)
     assert out.device.type == "meta" and tuple(out.shape) == (3, 5) and out.dtype == torch.bfloat16
     assert not runtime.is_gathered(4)
+
+
+def test_fake_allgather_with_dtype_needs_no_runtime():
+    """With a dtype named (what the ZeRO-3 pass and the prefetch planner emit), the fake result
+    comes from the inputs alone: tracing works without a runtime or a registered parameter."""
+    runtime.cleanup()
+    with FakeTensorMode():
+        out = ops.allgather_param(make_placeholder((4, 6), torch.float32, "cpu"), GRAPH, 999, torch.bfloat16)
+        assert tuple(out.shape) == (4, 6) and out.dtype == torch.bfloat16
+    assert not runtime.is_initialized()
 
 
 def test_fake_allgather_unknown_id_raises(rt):
@@ -239,7 +252,7 @@ def test_fake_kernels_have_no_side_effects(rt):
     """Tracing must not touch runtime state: no gather, no release countdown, no freeing."""
     full, shard, _ = _register_z3(3, (5, 3))
     with FakeTensorMode():
-        p = torch.empty(0)
+        p = make_placeholder((5, 3), torch.float32, "cpu")
         ops.prefetch_params_fused(GRAPH, [p], [3])
         g = ops.allgather_param(p, GRAPH, 3)
         w = ops.wait_allgather(g, GRAPH, 3)

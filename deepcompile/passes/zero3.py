@@ -75,7 +75,10 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
         dtype = _fused_cast_dtype(param)
         cast = first if dtype is not None else None
         with graph.inserting_before(gather_point(first)):
-            gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": dtype})
+            # Always a named dtype (the parameter's own when no cast is fused): the op's fake kernel
+            # then needs nothing from the live runtime.
+            gather_dtype = dtype if dtype is not None else param.meta["val"].dtype
+            gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": gather_dtype})
             full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
         # What the gather returns: contiguous, unlike the stride-0 placeholder that was traced.
         traced = param.meta["val"]
