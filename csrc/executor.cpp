@@ -25,6 +25,7 @@ void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* o
   DSParam& p = param(id, op);
   checkGradient(p, grad, op);
   reduce(p, grad, op);
+  ++p.reduce_count;
 }
 
 void CustomOpExecutor::enqueue(DSParam& p, const at::Tensor& grad, const char* op) {

@@ -114,7 +114,10 @@ void Runtime::startBackward(bool update_step) {
   // A backward after an update step opens a new accumulation window: the first reduction of
   // each parameter in it overwrites the target, later ones (micro-steps, other graphs) add.
   if (window_closed_) {
-    registry_.forEach([](DSParam& p) { p.has_acc_grad = false; });
+    registry_.forEach([](DSParam& p) {
+      p.has_acc_grad = false;
+      p.reduce_count = 0;
+    });
   }
   window_closed_ = update_step;
   update_step_ = update_step;

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ __all__ = [
     "reduce_bucket_numel",
     "holds_grad_target",
     "was_reduced",
+    "reduce_counts",
     "world_size",
     "rank",
 ]
@@ -322,6 +323,13 @@ def reduce_bucket_numel() -> int:
 def was_reduced(ds_id: int) -> bool:
     """True if a gradient of ``ds_id`` was reduced in the current accumulation window."""
     return _C.was_reduced(int(ds_id))
+
+
+def reduce_counts() -> Dict[int, int]:
+    """Per registered parameter (ds id), how many gradients ``reduce_grad`` accepted in the current
+    accumulation window: more than one means several graphs or micro-steps contributed, zero that
+    none did. Counts restart when a backward opens a new window; profiling runs are not counted."""
+    return {int(k): int(v) for k, v in _C.reduce_counts().items()}
 
 
 def grad_target(ds_id: int) -> Optional[torch.Tensor]:

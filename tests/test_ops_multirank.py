@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from deepcompile import runtime
 from deepcompile.runtime import RuntimeConfig
-from multiproc import run_distributed
+from multiproc import require_world_size, run_distributed
 
 ops = torch.ops.dc
 
@@ -992,6 +992,7 @@ def _body_errors_before_init(ctx):
         ("gathered_buffer", runtime.gathered_buffer, (1,)),
         ("pending_reduce_tasks", runtime.pending_reduce_tasks, ()),
         ("reduce_bucket_numel", runtime.reduce_bucket_numel, ()),
+        ("reduce_counts", runtime.reduce_counts, ()),
         ("holds_grad_target", runtime.holds_grad_target, (1,)),
         ("world_size", runtime.world_size, ()),
         ("rank", runtime.rank, ()),
@@ -1130,3 +1131,37 @@ def _body_free_tensors(ctx):
 
 def test_free_tensors_threshold_in_bytes(dist_world_size):
     run_distributed(_body_free_tensors, dist_world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# reduce counts (debug view)
+# ----------------------------------------------------------------------------------------------
+
+
+def _body_reduce_counts(ctx, stage):
+    """reduce_counts() counts, per parameter, the gradients reduce_grad accepted in the current
+    accumulation window: one per backward here (ZeRO-1 included, which reduces only at the
+    update step), back to zero when the backward after an update step opens a new window."""
+    ctx.init_runtime(CONFIG)
+    params = register_params(ctx, stage, FP32_SPECS)
+    runtime.register_graph(GRAPH, list(params), stage)
+    ids = sorted(params)
+    first = ids[:2]
+
+    runtime.start_backward(False)
+    reduce_step(ctx, params, GRAPH, step=1)
+    assert runtime.reduce_counts() == {i: 1 for i in ids}, "after one backward"
+    runtime.start_backward(True)
+    reduce_step(ctx, params, GRAPH, step=2)
+    assert runtime.reduce_counts() == {i: 2 for i in ids}, "after two backwards of one window"
+
+    runtime.start_backward(False)  # the previous backward was an update step: a new window
+    assert runtime.reduce_counts() == {i: 0 for i in ids}, "a new window must start from zero"
+    reduce_step(ctx, params, GRAPH, step=3, ids=first)
+    assert runtime.reduce_counts() == {i: int(i in first) for i in ids}, "after one backward of the new window"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reduce_counts_per_window(stage):
+    require_world_size(2)
+    run_distributed(_body_reduce_counts, 2, args=(stage,))

@@ -105,11 +105,13 @@ TEST_F(Executors, Zero1ReducesOnlyAtUpdateToOwners) {
   rt->executor(1, "test").reduceGrad(at::arange(6, at::kFloat), 4, "test");
   rt->reducer().flushAll();
   EXPECT_EQ(comm->reduces, 0);  // micro-step: accumulated locally only
+  EXPECT_EQ(rt->registry().get(4).reduce_count, 1);  // but counted as received
   rt->startBackward(true);
   rt->executor(1, "test").reduceGrad(at::arange(6, at::kFloat), 4, "test");
   rt->reducer().flushAll();
   EXPECT_EQ(comm->reduces, 2);  // one reduce per owning rank
   EXPECT_EQ(comm->roots, (std::vector<int>{0, 1}));
+  EXPECT_EQ(rt->registry().get(4).reduce_count, 2);
   // (2 * arange) pre-divided by 2 then summed over 2 mirrored ranks = 2 * arange; rank 1 owns [3, 6).
   EXPECT_TRUE(at::equal(target, at::tensor({6.0f, 8.0f, 10.0f})));
   rt->unbindGradTargets(std::nullopt);

@@ -78,6 +78,34 @@ TEST_F(RuntimeTest, ErrorsForBadIdsAndStages) {
   EXPECT_THROW(rt->bindGradTarget(2, at::empty({5}), true), c10::Error);  // wrong target size
 }
 
+// The debug count behind reduce_counts(): gradients accepted per parameter in the current
+// accumulation window, from any graph, reset only when a backward opens a new window.
+TEST_F(RuntimeTest, ReduceCountsFollowTheAccumulationWindow) {
+  make(0, 1);
+  rt->registerZ3Params({{1, {2}, at::zeros({2}), at::empty({2}), false, std::nullopt},
+                        {2, {2}, at::zeros({2}), at::empty({2}), false, std::nullopt}});
+  rt->registerGraph(1, {1, 2}, 3);
+  rt->registerGraph(2, {1}, 3);
+  auto count = [&](DsId id) { return rt->registry().get(id).reduce_count; };
+  rt->startBackward(false);
+  rt->executor(1, "test").reduceGrad(at::ones({2}), 1, "test");
+  EXPECT_EQ(count(1), 1);
+  EXPECT_EQ(count(2), 0);
+  rt->startBackward(true);  // the second micro-step of the same window
+  rt->executor(1, "test").reduceGrad(at::ones({2}), 1, "test");
+  rt->executor(2, "test").reduceGrad(at::ones({2}), 1, "test");
+  EXPECT_THROW(rt->executor(1, "test").reduceGrad(at::ones({3}), 1, "test"), c10::Error);  // not accepted
+  EXPECT_EQ(count(1), 3);
+  rt->endBackward(1, /*release_reduce_buckets=*/false);
+  rt->bindGradTarget(1, at::empty({2}), true);  // rebinding a target does not open a window
+  EXPECT_EQ(count(1), 3);
+  rt->startBackward(false);  // the update step closed the window: this backward opens a new one
+  EXPECT_EQ(count(1), 0);
+  rt->executor(2, "test").reduceGrad(at::ones({2}), 1, "test");
+  EXPECT_EQ(count(1), 1);
+  EXPECT_EQ(count(2), 0);
+}
+
 TEST_F(RuntimeTest, ProfilingEndOfBackwardFlushesNothing) {
   make(0, 1);
   rt->registerZ3Params({{1, {2}, at::zeros({2}), at::empty({2}), false, std::nullopt}});

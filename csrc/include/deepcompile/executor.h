@@ -45,7 +45,8 @@ class CustomOpExecutor {
   // The registry entry of `id`, after checking it belongs to this graph.
   DSParam& param(DsId id, const char* op);
 
-  // dc.reduce_grad: checks the gradient and hands it to the stage's reduction.
+  // dc.reduce_grad: checks the gradient, hands it to the stage's reduction and counts it in the
+  // parameter's window (DSParam::reduce_count) once accepted.
   void reduceGrad(const at::Tensor& grad, DsId id, const char* op);
   // Called by end_backward after all pending reductions finished.
   virtual void endBackward(bool update_step) {}

@@ -49,6 +49,10 @@ struct DSParam {
   at::Tensor grad_target;
   // True once a reduction wrote the target in the current accumulation window.
   bool has_acc_grad = false;
+  // Gradients reduce_grad accepted for this parameter in the current accumulation window (reset
+  // with has_acc_grad when a window opens, not when a target is bound): a debug view of how
+  // many graphs and micro-steps contributed, read through reduce_counts().
+  int64_t reduce_count = 0;
   // ZeRO-1: full local gradient accumulated over the micro-steps of a window.
   at::Tensor local_grad_acc;
 
