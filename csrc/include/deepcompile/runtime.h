@@ -31,6 +31,9 @@ class Runtime {
  public:
   Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config);
   ~Runtime();
+  // Executors and the reducer hold references into the runtime.
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
 
   Communicator& comm() { return *comm_; }
   Lanes& lanes() { return *lanes_; }
