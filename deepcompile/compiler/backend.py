@@ -173,14 +173,14 @@ class _ProfiledCallable:
 
     __slots__ = ("compiled", "gm", "signature", "record", "driver", "reduces", "__weakref__", "__dict__")
 
-    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int]):
+    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int] = ()):
         compat.mark_boxed(self)
         self.compiled = compiled
         self.gm = gm
         self.signature = signature
         self.record = record
         self.driver = driver
-        self.reduces = reduces  # ds ids this half hands to reduce_grad once per run
+        self.reduces = list(reduces)  # ds ids this half hands to reduce_grad once per run
         driver.track(self)
 
     def __call__(self, *args: Any):
