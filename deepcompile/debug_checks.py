@@ -32,9 +32,8 @@ class DebugCheckError(RuntimeError):
 
 
 class ReductionLedger:
-    def __init__(self, names: Mapping[int, str], trainable: Iterable[int]):
+    def __init__(self, names: Mapping[int, str]):
         self.names = dict(names)
-        self.trainable = set(trainable)
         self.expected: Dict[int, int] = collections.Counter()
         self.windows_checked = 0
 
@@ -45,7 +44,7 @@ class ReductionLedger:
     def check_window(self, received: Mapping[int, int]) -> None:
         """Compare the window's produced gradients with what the runtime received; then reset."""
         wrong = []
-        for ds_id in sorted(self.trainable | set(received) | set(self.expected)):
+        for ds_id in sorted(set(received) | set(self.expected)):
             want, got = self.expected.get(ds_id, 0), received.get(ds_id, 0)
             if want != got:
                 wrong.append(f"{self.names.get(ds_id, ds_id)}: {want} gradient(s) produced, {got} reduced")

@@ -74,7 +74,7 @@ class Engine:
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
         if config.compile.debug_checks:
-            self._ledger = debug_checks.ReductionLedger(self.sharding.param_names(), ())
+            self._ledger = debug_checks.ReductionLedger(self.sharding.param_names())
             debug_checks.install(self._ledger)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
 

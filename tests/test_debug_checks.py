@@ -110,7 +110,7 @@ def test_a_graph_reading_placeholder_data_is_caught():
 
 
 def test_ledger_counts_by_window():
-    ledger = debug_checks.ReductionLedger({0: "a", 1: "b"}, ())
+    ledger = debug_checks.ReductionLedger({0: "a", 1: "b"})
     ledger.produced([0, 1])
     ledger.produced([0])
     ledger.check_window({0: 2, 1: 1})
