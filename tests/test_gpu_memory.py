@@ -39,8 +39,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import multiproc
-from multiproc import run_distributed, single_world_size
+from _harness import multiproc
+from _harness.multiproc import run_distributed, single_world_size
 
 WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
 KiB = 1024

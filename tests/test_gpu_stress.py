@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import multiproc
-from multiproc import run_distributed, single_world_size
-from parity_cases import RunResult, assert_parity, make_optimizer
+from _harness import multiproc
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import RunResult, assert_parity, make_optimizer
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from multiproc import run_distributed, single_world_size
+from _harness.multiproc import run_distributed, single_world_size
 
 
 class Block(nn.Module):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc import require_world_size, run_distributed
-from parity_cases import assert_parity, train_engine, train_reference
+from _harness.multiproc import require_world_size, run_distributed
+from _harness.parity_cases import assert_parity, train_engine, train_reference
 from test_zero3_parity import FP32_TOL
 
 

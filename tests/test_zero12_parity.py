@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parity_extra  # noqa: F401  (registers the extra models)
-from multiproc import run_distributed, single_world_size
-from parity_cases import train_engine, train_reference, assert_parity
+from _harness import parity_extra  # noqa: F401  (registers the extra models)
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import train_engine, train_reference, assert_parity
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise

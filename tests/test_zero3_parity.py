@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import run_distributed, single_world_size
-from parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
                           train_reference)
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from deepcompile import runtime
 from deepcompile.runtime import RuntimeConfig
-from multiproc import run_distributed
+from _harness.multiproc import run_distributed
 
 ops = torch.ops.dc
 
