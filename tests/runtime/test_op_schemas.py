@@ -165,7 +165,7 @@ def test_opcheck_reduce_grad_and_end_backward(rt):
 def test_opcheck_free_tensors(rt):
     # Only tensors below the threshold: test_schema compares every input before/after the call,
     # and reading a tensor whose storage was freed (0 bytes) is undefined (it segfaults). Freeing
-    # itself is covered by test_ops_multirank.py::test_free_tensors_threshold_in_bytes.
+    # itself is covered by test_lifecycle.py::test_free_tensors_threshold_in_bytes.
     #
     # opcheck runs the op on copies made by clone_input, which places each tensor inside a larger
     # storage (offset and padding). The threshold is on the tensor's byte size, so those copies
