@@ -25,7 +25,8 @@ def config(stage, **extra):
 
 
 def _check_lifetimes_during_step(engine):
-    """Seed 001: the optimizer step runs with no runtime reference to targets or buckets."""
+    """The optimizer step runs while the runtime holds no gradient target, no reduce bucket and no
+    pending reduce task: gradient targets are bound for one step only."""
     from deepcompile import runtime
 
     seen = []

@@ -122,7 +122,9 @@ def test_zero3_forwards_without_backward(backend):
 
 
 def test_zero3_seed002_disabled_forward_with_zero_persistence():
-    """Seed 002: forward under torch.compiler.disable, persistence threshold 0."""
+    """A forward under torch.compiler.disable (Dynamo skips the frame, nothing is compiled) with
+    persistence threshold 0: the eager fallback gathers every parameter, and training matches
+    single-process training."""
     cfg = zero3_config(stage3_param_persistence_threshold=0)
     run_distributed(_parity_body, WORLD, args=("disabled_forward", "eager", 4, cfg), kwargs={"expect_eager": True})
 

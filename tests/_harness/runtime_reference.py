@@ -191,8 +191,8 @@ def check_target(p: Param, expected: torch.Tensor, what: str) -> None:
     assert got.shape == exp.shape, f"{what}: ds_id {p.ds_id}: target numel {got.numel()}, expected {exp.numel()}"
     torch.testing.assert_close(got, exp, **_tol(p.target.dtype), msg=lambda m: f"{what}: ds_id {p.ds_id}: {m}")
     if p.stage == 3:
-        # Elements of this rank's slice at or past the true numel are padding (DS gap 5: they
-        # received another gradient's values). They must be exactly zero.
+        # Elements of this rank's slice at or past the true numel are padding. They must be
+        # exactly zero (DeepSpeed's reduce wrote another gradient's values there).
         valid = max(0, min(p.hi, p.numel) - p.lo)
         tail = got[valid:]
         assert torch.count_nonzero(tail) == 0, f"{what}: ds_id {p.ds_id}: padding tail not zero: {tail.tolist()}"

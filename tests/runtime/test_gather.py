@@ -30,7 +30,8 @@ ops = torch.ops.dc
 def _body_allgather_uneven(ctx):
     """allgather_param returns exactly the full parameter for numels not divisible by the world
     size, in the requested dtype (fused cast), or in the shard's dtype when none is requested (a
-    bf16 shard gathers as bf16: the run-time side of DS gap 7)."""
+    bf16 shard gathers as bf16, never as fp32; test_op_schemas.py checks the same of the fake
+    kernel, whose result DeepSpeed typed fp32 whatever the shard's dtype)."""
     fulls, shards = setup_z3(ctx, MIXED_SPECS)
     world = ctx.world_size
     for ds_id, shape, dtype in MIXED_SPECS:
@@ -64,8 +65,9 @@ def test_allgather_uneven_shapes_and_dtypes(dist_world_size):
 def _body_prefetch(ctx):
     """prefetch_params_fused gathers in the requested dtypes; the later allgather_param of the
     same id and dtype returns the prefetched buffer (no second gather); a narrower dtype
-    requested after a shard-dtype prefetch must convert only after the gather completed (DS gap
-    3: it converted stale bytes)."""
+    requested after a shard-dtype prefetch must convert only after the gather completed
+    (DeepSpeed converted the buffer while the prefetch was still filling it, so the cast read
+    stale bytes)."""
     fulls, shards = setup_z3(ctx, MIXED_SPECS)
     ids = [s[0] for s in MIXED_SPECS]
     world = ctx.world_size
@@ -113,9 +115,10 @@ def test_prefetch_then_allgather(dist_world_size):
 
 def _body_gather_state_is_shared_across_graphs(ctx):
     """A gather started by one graph (a prefetch) or outside any graph (``set_persistent``) is
-    used by another graph: its gather and wait get that buffer, complete. DS gap 10: DeepSpeed
-    keeps the gather's event per executor, so a graph other than the one that gathered did not
-    wait for it. Large parameters, so reading a gather still in flight would show."""
+    used by another graph: its gather and wait get that buffer, complete. DeepSpeed keeps the
+    gather's completion event per executor (one per graph), so a graph other than the one that
+    gathered did not wait for it; here the event lives with the parameter. Large parameters, so
+    reading a gather still in flight would show."""
     specs = [(0, (2048, 1024), torch.float32), (1, (1024, 2049), torch.float32)]
     fulls, shards = setup_z3(ctx, specs)
     runtime.register_graph(GRAPH2, [0, 1], 3)
@@ -143,9 +146,10 @@ def test_gather_state_is_shared_across_graphs(dist_world_size):
 def _body_persistent(ctx):
     """Persistent parameters stay gathered across releases; after an optimizer step changed the
     shards in place and ``invalidate_all_gathered``, a fused-cast gather returns the UPDATED
-    values in the REQUESTED dtype (DS gap 2 returned the old fp32 buffer), an fp32 request is
-    exact again (never an up-cast of a bf16 copy), and a param registered persistent=True can be
-    gathered more than once (DS gap 4)."""
+    values in the REQUESTED dtype (DeepSpeed returned the old fp32 buffer there), an fp32
+    request is exact again (never an up-cast of a bf16 copy), and a param registered
+    persistent=True can be gathered more than once (DeepSpeed's second gather of such a param
+    failed)."""
     A, B = 11, 23  # A: set_persistent after registration; B: persistent=True at registration
     specs = [s for s in FP32_SPECS if s[0] in (A, B)]
     fulls, shards = setup_z3(ctx, specs, persistent={B})
@@ -166,7 +170,7 @@ def _body_persistent(ctx):
 
     for i in (A, B):
         episode(i, None, fulls[i], "first gather")
-        episode(i, None, fulls[i], "second gather (DS gap 4)")
+        episode(i, None, fulls[i], "second gather of a persistent param")
 
     # Simulated optimizer step: shards change in place, gathered copies become stale.
     for i in (A, B):
@@ -175,10 +179,11 @@ def _body_persistent(ctx):
     for i in (A, B):
         assert not runtime.is_gathered(i), f"ds_id {i}: still valid after invalidate_all_gathered"
     for i in (A, B):
-        episode(i, bf16, fulls[i] + 1, "bf16 after update (DS gap 2)")
+        episode(i, bf16, fulls[i] + 1, "bf16 after update (updated values, requested dtype)")
         episode(i, None, fulls[i] + 1, "fp32 after a bf16 gather")
 
-    # Another step; prefetch in the shard dtype then request bf16 (valid-path conversion, DS gap 3).
+    # Another step; prefetch in the shard dtype then request bf16: the conversion of a buffer
+    # that is already valid must wait for the prefetch to land, not read it half-filled.
     for i in (A, B):
         shards[i].add_(1)
     runtime.invalidate_all_gathered()
@@ -291,7 +296,8 @@ def test_gather_dtype_differs_from_shard(dist_world_size):
 def _body_release_counting(ctx):
     """release_param counts down from n_users; only the last release frees, and it frees the
     padded storage itself, so neither the graph's view, another view, nor the registry's buffer
-    keeps it alive (seed 000). A second gather episode works afterwards."""
+    keeps it alive: the memory returns at the last release, not whenever the last Python
+    reference to a view happens to die. A second gather episode works afterwards."""
     fulls, shards = setup_z3(ctx, FP32_SPECS)
     A = 11
     full, shard = fulls[A], shards[A]
@@ -310,7 +316,7 @@ def _body_release_counting(ctx):
     ops.release_param(consumer, GRAPH, A, 2)
     assert_freed(out, "allgather_param's result after the final release")
     assert_freed(other_view, "another view of the gathered parameter after the final release")
-    assert_freed(buf, "the registry's padded buffer after the final release (seed 000)")
+    assert_freed(buf, "the registry's padded buffer after the final release")
     assert not runtime.is_gathered(A) and runtime.gathered_buffer(A) is None
     assert torch.equal(consumer, full * 2), "release_param changed its input"
     del out, other_view, buf

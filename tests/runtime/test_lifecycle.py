@@ -77,7 +77,8 @@ def test_errors_before_init(dist_world_size):
 
 def _body_init_cleanup(ctx):
     """cleanup twice is safe; init twice replaces the runtime; a new init after cleanup works and
-    knows nothing of the old graphs (DS gap 12: leaked/double-freed state)."""
+    knows nothing of the old graphs (DeepSpeed's teardown leaked part of its state and freed other
+    parts twice)."""
     A = 11
     full = full_param(A, (5, 3), torch.float32, ctx.device)
     shard = z3_shard(full, ctx.world_size, ctx.rank)
@@ -112,8 +113,8 @@ def _body_init_cleanup(ctx):
         ops.allgather_param(shard, GRAPH, A)
     register_and_gather()
 
-    # cleanup drops everything the runtime held (DS gap 12 kept registry and buckets alive): the
-    # shard, the gradient target, a persistent gathered buffer and the reduce buckets.
+    # cleanup drops everything the runtime held (DeepSpeed's kept its registry and buckets alive):
+    # the shard, the gradient target, a persistent gathered buffer and the reduce buckets.
     runtime.cleanup()
     ctx.init_runtime(CONFIG)
     B = 23
@@ -144,8 +145,8 @@ def test_init_cleanup_idempotent(dist_world_size):
 
 
 def _body_free_tensors(ctx):
-    """free_tensors frees tensors whose BYTE size exceeds free_activation_threshold (DS gap 9
-    compared the element count with the byte threshold) and keeps the others intact."""
+    """free_tensors frees tensors whose BYTE size exceeds free_activation_threshold (DeepSpeed
+    compared the element count with that byte threshold) and keeps the others intact."""
     threshold = 64
     ctx.init_runtime(RuntimeConfig(reduce_bucket_size=1024, free_activation_threshold=threshold))
     dev = ctx.device

@@ -75,7 +75,7 @@ def _body_reduce_accumulation(ctx, stage):
     """Two accumulation windows of two micro-steps. The target of a window = sum of its
     micro-steps' averaged gradients; the first reduction of a window overwrites. Every backward
     releases the buckets (as the last graph of a step does), so the non-update backward after an
-    update step runs on released buckets: DeepSpeed's ZeRO-1 aborted there (DS gap 1)."""
+    update step runs on released buckets: DeepSpeed's ZeRO-1 aborted there."""
     ctx.init_runtime(CONFIG)
     params = register_params(ctx, stage, FP32_SPECS)
     runtime.register_graph(GRAPH, list(params), stage)
@@ -99,7 +99,8 @@ def test_reduce_accumulation_windows(dist_world_size, stage):
 
 def _body_reduce_two_graphs(ctx, stage):
     """A parameter used by two graphs (two frames sharing a weight) is reduced by both backwards
-    of one step: its target gets the SUM (DS gap 6: the second graph overwrote the first)."""
+    of one step: its target gets the SUM (in DeepSpeed the second graph's reduction overwrote the
+    first's)."""
     ctx.init_runtime(CONFIG)
     params = register_params(ctx, stage, FP32_SPECS)
     A, B, C = 11, 23, 40
@@ -123,7 +124,8 @@ def test_reduce_param_shared_by_two_graphs(dist_world_size, stage):
 
 def _body_z3_padding_tail(ctx):
     """ZeRO-3 with uneven numels packed in one bucket: the last rank's padding tail must be
-    exactly zero (DS gap 5 read past each send slot into the next gradient / stale bucket bytes).
+    exactly zero (DeepSpeed's reduce read past each gradient's slot in the send buffer, into the
+    next gradient or stale bucket bytes).
     A first step with large gradients leaves stale data in the kept bucket; targets start out
     holding a sentinel, which the first reduction of the window must overwrite."""
     ctx.init_runtime(RuntimeConfig(reduce_bucket_size=64))
@@ -172,10 +174,11 @@ def test_z3_expected_grad_dtype(dist_world_size):
 
 
 def _body_z1_step_local_targets(ctx):
-    """ZeRO-1 gradient targets are step-local (seed 001): registered without a target, bound to
+    """ZeRO-1 gradient targets are step-local: registered without a target, bound to
     views of a fresh flat partition buffer before the update backward, and after the update
     backward released the buckets and the optimizer side called unbind_grad_targets, the runtime
-    holds no target, no bucket, no pending task and no reference to the buffer's storage."""
+    holds no target, no bucket, no pending task and no reference to the buffer's storage, so the
+    partition is freed as soon as the optimizer side drops it (it is not held across steps)."""
     ctx.init_runtime(CONFIG)
     world, rank, dev = ctx.world_size, ctx.rank, ctx.device
     specs = FP32_SPECS
@@ -229,7 +232,7 @@ def _body_z1_step_local_targets(ctx):
         gc.collect()
         assert weak.expired(), (
             f"window {window}: the runtime still references the ZeRO-1 gradient partition after "
-            "unbind_grad_targets (seed 001)"
+            "unbind_grad_targets"
         )
 
 

@@ -67,8 +67,9 @@ def test_errors_unknown_graph_and_ids(dist_world_size):
 
 
 def _body_error_bad_shard(ctx, variant):
-    """A shard whose numel is not ppr on ANY rank makes EVERY rank raise at registration (DS
-    gap 8: the check was tautological and mismatched NCCL counts followed). The failed batch
+    """A shard whose numel is not ppr on ANY rank makes EVERY rank raise at registration
+    (DeepSpeed's size check compared a value with itself, so a wrong shard went through and the
+    ranks later passed different element counts to the same collective). The failed batch
     registers nothing, so the same ids register fine afterwards and gather correctly."""
     world, rank = ctx.world_size, ctx.rank
     ctx.init_runtime(CONFIG)
