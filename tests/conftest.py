@@ -10,7 +10,9 @@
 * ``dist_world_size``: module-scoped world size parameter (2 and 3 ranks, or the sizes listed in
   ``DC_TEST_WORLD_SIZES``, e.g. ``4`` on a 4-GPU machine). Being module-scoped, it
   makes pytest run all tests of one world size together, so one pool of rank processes serves
-  them (see ``_harness/multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` sizes above the GPU count skip.
+  them (see ``_harness/multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` the sizes follow the GPUs
+  present: sizes above the GPU count skip with the reason, and when no default size fits (one
+  GPU) the suites run at one rank per GPU (``multiproc.world_sizes``).
 """
 
 from __future__ import annotations

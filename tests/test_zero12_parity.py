@@ -15,7 +15,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import train_engine, train_reference, assert_parity
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 
 def config(stage, **extra):

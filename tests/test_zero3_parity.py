@@ -20,7 +20,7 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # Inductor fuses and reorders float sums differently from the eager single-process reference.
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 
 def zero3_config(**overrides):
