@@ -55,20 +55,20 @@ def _skips(world_size):
     "device,gpus,sizes,parametrized,single",
     [
         # CPU: gloo ranks are processes, any size runs.
-        ("cpu", None, None, (2, 3), 2),
-        ("cpu", None, "4", (4,), 4),
-        ("cpu", None, "1,3", (1, 3), 3),
+        pytest.param("cpu", None, None, (2, 3), 2, id="cpu-default"),
+        pytest.param("cpu", None, "4", (4,), 4, id="cpu-env4"),
+        pytest.param("cpu", None, "1,3", (1, 3), 3, id="cpu-env1_3"),
         # One GPU: no default size fits, so one rank; the single-size suites run at 1 too.
-        ("cuda", 1, None, (1,), 1),
+        pytest.param("cuda", 1, None, (1,), 1, id="gpus1-default"),
         # Two or more GPUs: the defaults stay (3 skips on 2 GPUs), the single size stays 2.
-        ("cuda", 2, None, (2, 3), 2),
-        ("cuda", 8, None, (2, 3), 2),
+        pytest.param("cuda", 2, None, (2, 3), 2, id="gpus2-default"),
+        pytest.param("cuda", 8, None, (2, 3), 2, id="gpus8-default"),
         # Explicit sizes are kept (those above the GPU count skip); the single size is capped.
-        ("cuda", 1, "2,4", (2, 4), 1),
-        ("cuda", 2, "1,4", (1, 4), 2),
-        ("cuda", 4, "4", (4,), 4),
+        pytest.param("cuda", 1, "2,4", (2, 4), 1, id="gpus1-env2_4"),
+        pytest.param("cuda", 2, "1,4", (1, 4), 2, id="gpus2-env1_4"),
+        pytest.param("cuda", 4, "4", (4,), 4, id="gpus4-env4"),
         # No GPU: nothing fits; every size skips (run_distributed skips too).
-        ("cuda", 0, None, (2, 3), 2),
+        pytest.param("cuda", 0, None, (2, 3), 2, id="gpus0-default"),
     ],
 )
 def test_world_size_selection(fake_device, device, gpus, sizes, parametrized, single):
