@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call that does everything a session needs, within the 10-minute limit of a call:
 # build, the GPU tests (pytest args from $GPU_TESTS, "none" to skip; DC_TEST_WORLD_SIZES picks the
-# world sizes), the benchmark rows ($BENCH_METHODS on $BENCH_NPROC GPUs, default 2), and the
-# compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
+# world sizes, else they follow the GPUs present), the benchmark rows ($BENCH_METHODS on
+# $BENCH_NPROC GPUs, default 2), and the compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
 # a part that runs long costs only its own results.
 set -uo pipefail
 cd "$(dirname "$0")/.."

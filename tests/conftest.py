@@ -1,14 +1,18 @@
 """pytest configuration shared by the Python test suite.
 
 * Puts the repository root and this folder on ``sys.path`` (also for spawned ranks, which
-  inherit the parent's ``sys.path``), so ``deepcompile`` and ``multiproc`` import without an
-  install.
+  inherit the parent's ``sys.path``), so ``deepcompile`` and the shared helpers in ``_harness/``
+  import without an install, wherever in the repository pytest is started. Test files in
+  subfolders (``runtime/``) have no ``__init__.py``: pytest imports each by its base name with its
+  folder on ``sys.path``, which the spawned ranks inherit too, so their bodies unpickle there.
 * Registers the ``gpu`` marker: tests that need CUDA; they run only with ``DC_TEST_DEVICE=cuda``
   on a machine with GPUs and are skipped (with the reason) otherwise.
 * ``dist_world_size``: module-scoped world size parameter (2 and 3 ranks, or the sizes listed in
   ``DC_TEST_WORLD_SIZES``, e.g. ``4`` on a 4-GPU machine). Being module-scoped, it
   makes pytest run all tests of one world size together, so one pool of rank processes serves
-  them (see ``multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` sizes above the GPU count skip.
+  them (see ``_harness/multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` the sizes follow the GPUs
+  present: sizes above the GPU count skip with the reason, and when no default size fits (one
+  GPU) the suites run at one rank per GPU (``multiproc.world_sizes``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ for _p in (_ROOT, _TESTS):
 
 import pytest  # noqa: E402
 
-import multiproc  # noqa: E402
+from _harness import multiproc  # noqa: E402
 
 WORLD_SIZES = multiproc.world_sizes(default=(2, 3))
 

@@ -9,8 +9,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import deepcompile  # noqa: F401  (loads torch.ops.dc)
 from deepcompile import debug_checks
 from deepcompile.passes.zero3 import insert_gather_release
-from multiproc import run_distributed, single_world_size
-from parity_cases import assert_parity, train_engine, train_reference
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import assert_parity, train_engine, train_reference
 
 WORLD = single_world_size()
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)

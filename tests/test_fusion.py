@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from multiproc import run_distributed
+from _harness.multiproc import run_distributed
 
 
 def _generated_kernels(ctx, stage: int) -> int:

@@ -1,5 +1,5 @@
-"""GPU memory behaviour of the engine (2 ranks, NCCL): what one step leaves behind and holds at
-its peak, measured with the CUDA caching allocator's own counters.
+"""GPU memory behaviour of the engine (2 ranks, 1 on a one-GPU machine; NCCL): what one step
+leaves behind and holds at its peak, measured with the CUDA caching allocator's own counters.
 
 Three properties, each a test marked ``gpu`` (run by ``scripts/gpu_check.sh``):
 
@@ -39,10 +39,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import multiproc
-from multiproc import run_distributed, single_world_size
+from _harness import multiproc
+from _harness.multiproc import run_distributed, single_world_size
 
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 KiB = 1024
 MiB = 1024 * KiB
 

@@ -1,4 +1,5 @@
-"""Stream-race stress runs (2 ranks, NCCL): overlapped against serialized communication.
+"""Stream-race stress runs (2 ranks, 1 on a one-GPU machine; NCCL): overlapped against serialized
+communication.
 
 The runtime overlaps compute with communication on its own CUDA streams: all-gathers (and
 prefetches) on one lane, gradient copies into reduce buckets on another, reduce-scatters and
@@ -47,12 +48,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import multiproc
-from multiproc import run_distributed, single_world_size
-from parity_cases import RunResult, assert_parity, make_optimizer
+from _harness import multiproc
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import RunResult, assert_parity, make_optimizer
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 # width: model width; ffn: hidden width of each block's MLP; depth: blocks; batch: rows per rank.
 GPU_SIZES = dict(width=1024, ffn=2048, depth=4, batch=64)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from multiproc import run_distributed, world_sizes
-from parity_cases import GLOBAL_BATCH, make_optimizer
+from _harness.multiproc import run_distributed, single_world_size, world_sizes
+from _harness.parity_cases import GLOBAL_BATCH, make_optimizer
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # the expert loop runs eagerly on both sides: fp32 reduction order only
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)  # the router and loss are compiled (fused sums)
@@ -126,7 +126,7 @@ def test_imbalanced_experts_in_an_eager_leaf(world, stage, disable_loop):
 
 @pytest.mark.parametrize("stage", [3, 1])
 def test_imbalanced_experts_in_an_eager_leaf_inductor(stage):
-    run_distributed(_body, world_sizes((2,))[0], args=(stage, "inductor", False), timeout=600)
+    run_distributed(_body, single_world_size(), args=(stage, "inductor", False), timeout=600)
 
 
 def test_set_leaf_modules_rejects_what_it_cannot_honour():

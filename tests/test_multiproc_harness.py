@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import DistributedTestFailure, require_world_size, run_distributed
+from _harness.multiproc import DistributedTestFailure, require_world_size, run_distributed
 
 
 def _body_all_reduce(ctx, value):

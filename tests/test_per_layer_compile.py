@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from multiproc import run_distributed, single_world_size
+from _harness.multiproc import run_distributed, single_world_size
 
 
 class Block(nn.Module):
@@ -73,4 +73,4 @@ def _body(ctx):
 
 
 def test_identical_layers_compiled_one_by_one_train_correctly():
-    run_distributed(_body, world_size=single_world_size())  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+    run_distributed(_body, world_size=single_world_size())  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count

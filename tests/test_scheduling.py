@@ -22,8 +22,8 @@ from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile, NodeProfile
 from deepcompile.scheduling.planner import graph_gathers, plan_persistent, plan_prefetch
 from deepcompile.scheduling.schedule import PassSchedule, ScheduleEntry
-from multiproc import require_world_size, run_distributed, single_world_size
-from parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference
+from _harness.multiproc import require_world_size, run_distributed, single_world_size
+from _harness.parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference
 
 dc = torch.ops.dc
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -298,7 +298,7 @@ def test_selective_gather_prediction_bounds_the_measured_peak():
 
 def _resume_body(ctx):
     import deepcompile
-    from parity_cases import batch, build_model, make_optimizer
+    from _harness.parity_cases import batch, build_model, make_optimizer
 
     torch._dynamo.reset()
     model = build_model("mlp", device=ctx.device)
@@ -323,7 +323,7 @@ def test_schedule_is_resume_safe():
 
 def _profile_failure_body(ctx, node_kind):
     import deepcompile
-    from parity_cases import batch, build_model, make_optimizer
+    from _harness.parity_cases import batch, build_model, make_optimizer
 
     torch._dynamo.reset()
     model = build_model("mlp", device=ctx.device)
@@ -372,7 +372,7 @@ def _destroy_releases_state_body(ctx, warmup_steps):
     import weakref
 
     import deepcompile
-    from parity_cases import batch, build_model, make_optimizer
+    from _harness.parity_cases import batch, build_model, make_optimizer
 
     torch._dynamo.reset()
 

@@ -1,7 +1,8 @@
 """The Sharding interface's accessors of sharded state (zero/sharding.py), on every stage.
 
-Two ranks (gloo on CPU): the shards of each rank together tile every parameter exactly, hold its
-values, line up with their optimizer state, and writing them changes the model.
+Two ranks (gloo on CPU; under DC_TEST_DEVICE=cuda one per GPU, at most two): the shards of each
+rank together tile every parameter exactly, hold their values, line up with their optimizer
+state, and writing them changes the model.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import require_world_size, run_distributed
-from parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
-WORLD = 2
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -140,5 +141,4 @@ def _accessors_body(ctx, stage, name):
 @pytest.mark.parametrize("name", ["mlp", "lora"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shards_tile_parameters_line_up_with_optimizer_state_and_write_back(stage, name):
-    require_world_size(WORLD)
     run_distributed(_accessors_body, world_size=WORLD, args=(stage, name))

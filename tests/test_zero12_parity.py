@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parity_extra  # noqa: F401  (registers the extra models)
-from multiproc import run_distributed, single_world_size
-from parity_cases import train_engine, train_reference, assert_parity
+from _harness import parity_extra  # noqa: F401  (registers the extra models)
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import train_engine, train_reference, assert_parity
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 
 def config(stage, **extra):
@@ -25,7 +25,8 @@ def config(stage, **extra):
 
 
 def _check_lifetimes_during_step(engine):
-    """Seed 001: the optimizer step runs with no runtime reference to targets or buckets."""
+    """The optimizer step runs while the runtime holds no gradient target, no reduce bucket and no
+    pending reduce task: gradient targets are bound for one step only."""
     from deepcompile import runtime
 
     seen = []

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import run_distributed, single_world_size
-from parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 # "lora": frozen base weights (fc1.*, fc2.weight), trainable adapters and a trainable fc2.bias of
 # 5 elements, which the threshold of 10 makes persistent.
 CONFIG = {

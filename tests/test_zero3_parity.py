@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import run_distributed, single_world_size
-from parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
                           train_reference)
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # Inductor fuses and reorders float sums differently from the eager single-process reference.
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)
-WORLD = single_world_size()  # 2 unless DC_TEST_WORLD_SIZES says otherwise
+WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 
 def zero3_config(**overrides):
@@ -122,7 +122,9 @@ def test_zero3_forwards_without_backward(backend):
 
 
 def test_zero3_seed002_disabled_forward_with_zero_persistence():
-    """Seed 002: forward under torch.compiler.disable, persistence threshold 0."""
+    """A forward under torch.compiler.disable (Dynamo skips the frame, nothing is compiled) with
+    persistence threshold 0: the eager fallback gathers every parameter, and training matches
+    single-process training."""
     cfg = zero3_config(stage3_param_persistence_threshold=0)
     run_distributed(_parity_body, WORLD, args=("disabled_forward", "eager", 4, cfg), kwargs={"expect_eager": True})
 

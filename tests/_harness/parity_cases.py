@@ -45,7 +45,8 @@ class GraphBreakMLP(MLP):
 
 
 class DisabledForwardMLP(MLP):
-    """Seed 002: the whole forward runs eagerly (Dynamo skips the frame)."""
+    """A forward under ``torch.compiler.disable``: Dynamo skips the frame, so the whole forward runs
+    eagerly and no graph of it is compiled."""
 
     @torch.compiler.disable
     def forward(self, x, y):

@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from parity_cases import MLP, MODELS
+from _harness.parity_cases import MLP, MODELS
 
 
 class FrozenFirstGraph(MLP):

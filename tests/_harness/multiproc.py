@@ -18,8 +18,10 @@ Backends:
 
 * default: gloo on CPU, ``ctx.device == torch.device("cpu")``;
 * ``DC_TEST_DEVICE=cuda``: NCCL, rank ``r`` on ``cuda:r`` and ``ctx.init_runtime()`` passes
-  ``device="cuda"``; world sizes above ``torch.cuda.device_count()`` are skipped by the tests'
-  fixtures (see :func:`require_world_size`).
+  ``device="cuda"``. The tests take their world size from :func:`world_sizes` or
+  :func:`single_world_size`, which fit it to ``torch.cuda.device_count()`` (one GPU: world size
+  1); a test that needs more ranks than there are GPUs is skipped with the reason
+  (:func:`require_world_size`, also called by :func:`run_distributed`), never failed.
 
 Worker processes are spawned (never forked) and, to keep the suite fast on small machines, kept
 in a pool per (world size, device) and reused by later tests. Between two bodies every worker
@@ -61,12 +63,12 @@ def test_device_type() -> str:
     return dev
 
 
-def world_sizes(default: Sequence[int] = (2, 3)) -> Tuple[int, ...]:
-    """World sizes of the suites parametrized over it: ``DC_TEST_WORLD_SIZES`` (comma-separated,
-    e.g. ``4`` or ``2,4`` on a 4-GPU machine) when set, else ``default``."""
+def requested_world_sizes() -> Optional[Tuple[int, ...]]:
+    """The world sizes listed in ``DC_TEST_WORLD_SIZES`` (comma-separated, e.g. ``4`` or ``2,4``),
+    or None when it is unset or empty."""
     raw = os.environ.get("DC_TEST_WORLD_SIZES", "").strip()
     if not raw:
-        return tuple(default)
+        return None
     try:
         sizes = tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
@@ -76,10 +78,36 @@ def world_sizes(default: Sequence[int] = (2, 3)) -> Tuple[int, ...]:
     return sizes
 
 
-def single_world_size() -> int:
-    """World size of the suites that run at one size (GPU memory lifetimes, stream stress): the
-    largest of ``DC_TEST_WORLD_SIZES`` when set, else 2."""
-    return max(world_sizes(default=(2,)))
+def world_sizes(default: Sequence[int] = (2, 3)) -> Tuple[int, ...]:
+    """World sizes of the suites parametrized over it.
+
+    ``DC_TEST_WORLD_SIZES`` when set (sizes the device cannot host are skipped by
+    :func:`require_world_size`, with the reason). Otherwise ``default``, except on GPUs
+    (``DC_TEST_DEVICE=cuda``) when none of ``default`` fits the GPUs present: then one rank per
+    GPU, so a one-GPU machine runs the suites at world size 1 instead of skipping them all. With
+    at least one default size that fits, the defaults stay, and larger ones skip with the reason
+    (on 2 GPUs: 2 runs, 3 skips).
+    """
+    requested = requested_world_sizes()
+    if requested is not None:
+        return requested
+    limit = max_world_size()
+    if limit is not None and limit >= 1 and not any(n <= limit for n in default):
+        return (limit,)
+    return tuple(default)
+
+
+def single_world_size(default: int = 2) -> int:
+    """World size of the suites that run at one size (parity, GPU memory lifetimes, stream
+    stress): the largest of ``DC_TEST_WORLD_SIZES`` when set, else ``default``; on GPUs capped at
+    the GPU count, so these suites never ask for GPUs the machine does not have (one GPU: world
+    size 1). With no GPU at all the size stays uncapped and :func:`run_distributed` skips."""
+    requested = requested_world_sizes()
+    size = max(requested) if requested is not None else default
+    limit = max_world_size()
+    if limit is not None and limit >= 1:
+        size = min(size, limit)
+    return size
 
 
 def max_world_size(device_type: Optional[str] = None) -> Optional[int]:
@@ -93,7 +121,11 @@ def max_world_size(device_type: Optional[str] = None) -> Optional[int]:
 
 
 def require_world_size(world_size: int) -> None:
-    """Skip the calling test (with a reason) when the device cannot host ``world_size`` ranks."""
+    """Skip the calling test (with a reason) when the device cannot host ``world_size`` ranks.
+
+    For tests that need that many ranks (a failing rank next to a healthy one, 3- and 4-rank
+    sharding); the others pick a size the device can host (:func:`world_sizes`,
+    :func:`single_world_size`)."""
     import pytest
 
     limit = max_world_size()
@@ -354,9 +386,9 @@ def run_distributed(
     if getattr(fn, "__qualname__", "").count("<locals>") or getattr(fn, "__name__", "") == "<lambda>":
         raise ValueError("run_distributed needs a module-level function (it is pickled by name)")
     device_type = test_device_type()
-    limit = max_world_size(device_type)
-    if limit is not None and world_size > limit:
-        raise ValueError(f"world_size {world_size} exceeds the {limit} available GPUs")
+    # A size the GPUs cannot host skips the test (with the reason) rather than failing it: a
+    # machine with fewer GPUs is not a defect of the code under test.
+    require_world_size(world_size)
     kwargs = dict(kwargs or {})
     fresh = os.environ.get("DC_TEST_FRESH_PROCS", "0") not in ("", "0", "false", "False")
     key = (world_size, device_type)

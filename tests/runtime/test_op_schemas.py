@@ -1,7 +1,10 @@
 """Single-process checks of the ``torch.ops.dc`` op surface: schemas (alias / mutation
-annotations, ARCHITECTURE.md §3 "schemas say the truth", DS gap 15), ``torch.library.opcheck``,
-and the fake / meta kernels (DS gap 7: the fake result of allgather_param without dtype was
-float32 whatever the parameter dtype).
+annotations must say what each op does to its inputs: an op that returns its input declares
+``Tensor(a)``, one that frees its inputs declares ``Tensor(a!)``, the others declare neither, so
+functionalization and Inductor neither copy around nor reorder them wrongly),
+``torch.library.opcheck``, and the fake / meta kernels (DeepSpeed's fake result of
+allgather_param without a dtype was float32 whatever the parameter dtype; here it has the
+shard's dtype).
 
 The runtime needs a process group even here: a 1-rank gloo group is created for the module.
 """
@@ -168,7 +171,7 @@ def test_opcheck_reduce_grad_and_end_backward(rt):
 def test_opcheck_free_tensors(rt):
     # Only tensors below the threshold: test_schema compares every input before/after the call,
     # and reading a tensor whose storage was freed (0 bytes) is undefined (it segfaults). Freeing
-    # itself is covered by test_ops_multirank.py::test_free_tensors_threshold_in_bytes.
+    # itself is covered by test_lifecycle.py::test_free_tensors_threshold_in_bytes.
     #
     # opcheck runs the op on copies made by clone_input, which places each tensor inside a larger
     # storage (offset and padding). The threshold is on the tensor's byte size, so those copies
@@ -201,7 +204,8 @@ def test_end_backward_without_tensor_deps(rt):
 
 
 def test_fake_allgather_uses_shard_dtype(rt):
-    """DS gap 7: without dtype the fake result must have the shard's dtype (bf16), not float32."""
+    """Without a dtype the fake result has the shard's dtype (bf16), not float32 (DeepSpeed's fake
+    kernel always answered float32, so a traced bf16 model saw fp32 parameters)."""
     _register_z3(4, (3, 5), dtype=torch.bfloat16)
     with FakeTensorMode():
         placeholder = make_placeholder((3, 5), torch.bfloat16, "cpu")

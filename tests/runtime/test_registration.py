@@ -1,0 +1,123 @@
+"""Registration of parameters and graphs, and ops called with ids the runtime does not know.
+
+An unknown graph id, an unknown ds id, a registered id outside the graph, a ZeRO-3 op on a
+ZeRO-1/2 graph and a shard of the wrong size must each raise a Python ``RuntimeError`` (on every
+rank, where the check is collective), never abort the process, and leave the runtime usable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepcompile import runtime
+from _harness.multiproc import run_distributed
+from _harness.runtime_reference import (
+    GRAPH, GRAPH2, CONFIG, FP32_SPECS, ppr_of, full_param, z3_shard, z12_layout, ErrorChecks, gather,
+    UNKNOWN_GRAPH, UNKNOWN_ID, RE_GRAPH, RE_UNKNOWN_ID, RE_NOT_IN_GRAPH, RE_STAGE,
+)
+
+ops = torch.ops.dc
+
+
+def _body_errors_unknown_ids(ctx):
+    """Unknown graph id, unknown ds id, and a registered id that is not in the graph: each op
+    raises a RuntimeError (DeepSpeed asserted, segfaulted or threw std::out_of_range). The
+    runtime stays usable afterwards."""
+    A, B = 11, 23
+    specs = [s for s in FP32_SPECS if s[0] in (A, B)]
+    ctx.init_runtime(CONFIG)
+    fulls = {i: full_param(i, shape, dtype, ctx.device) for i, shape, dtype in specs}
+    shards = {i: z3_shard(fulls[i], ctx.world_size, ctx.rank) for i in fulls}
+    runtime.register_z3_params([A, B], [s[1] for s in specs], [shards[A], shards[B]], [None, None])
+    runtime.register_graph(GRAPH, [A], 3)  # B is registered but not in GRAPH
+    x = shards[A]
+    g = torch.ones(5, 3, device=ctx.device)
+    chk = ErrorChecks()
+
+    gid = UNKNOWN_GRAPH
+    chk.expect("unknown graph: allgather_param", RE_GRAPH, ops.allgather_param, x, gid, A)
+    chk.expect("unknown graph: prefetch_params_fused", RE_GRAPH, ops.prefetch_params_fused, gid, [x], [A])
+    chk.expect("unknown graph: wait_allgather", RE_GRAPH, ops.wait_allgather, x, gid, A)
+    chk.expect("unknown graph: release_param", RE_GRAPH, ops.release_param, x, gid, A, 1)
+    chk.expect("unknown graph: reduce_grad", RE_GRAPH, ops.reduce_grad, g, gid, A)
+    chk.expect("unknown graph: end_backward", RE_GRAPH, ops.end_backward, [g], gid, False)
+
+    for ds_id, pattern, label in ((UNKNOWN_ID, RE_UNKNOWN_ID, "unknown ds id"), (B, RE_NOT_IN_GRAPH, "id not in graph")):
+        chk.expect(f"{label}: allgather_param", pattern, ops.allgather_param, x, GRAPH, ds_id)
+        chk.expect(f"{label}: prefetch_params_fused", pattern, ops.prefetch_params_fused, GRAPH, [x], [ds_id])
+        chk.expect(f"{label}: wait_allgather", pattern, ops.wait_allgather, x, GRAPH, ds_id)
+        chk.expect(f"{label}: release_param", pattern, ops.release_param, x, GRAPH, ds_id, 1)
+        chk.expect(f"{label}: reduce_grad", pattern, ops.reduce_grad, g, GRAPH, ds_id)
+
+    chk.expect("unknown ds id: bind_grad_target", RE_UNKNOWN_ID, runtime.bind_grad_target, UNKNOWN_ID, torch.zeros(3, device=ctx.device))
+    chk.expect("unknown ds id: set_persistent", RE_UNKNOWN_ID, runtime.set_persistent, UNKNOWN_ID)
+    chk.assert_none()
+
+    # Still usable: nothing half-done was left behind by the rejected calls.
+    assert runtime.pending_reduce_tasks() == 0
+    out = gather(x, GRAPH, A)
+    assert torch.equal(out, fulls[A])
+    ops.release_param(out, GRAPH, A, 1)
+    assert not runtime.is_gathered(A)
+
+
+def test_errors_unknown_graph_and_ids(dist_world_size):
+    run_distributed(_body_errors_unknown_ids, dist_world_size)
+
+
+def _body_error_bad_shard(ctx, variant):
+    """A shard whose numel is not ppr on ANY rank makes EVERY rank raise at registration
+    (DeepSpeed's size check compared a value with itself, so a wrong shard went through and the
+    ranks later passed different element counts to the same collective). The failed batch
+    registers nothing, so the same ids register fine afterwards and gather correctly."""
+    world, rank = ctx.world_size, ctx.rank
+    ctx.init_runtime(CONFIG)
+    A, B = 11, 23
+    specs = [s for s in FP32_SPECS if s[0] in (A, B)]
+    fulls = {i: full_param(i, shape, dtype, ctx.device) for i, shape, dtype in specs}
+    shards = {i: z3_shard(fulls[i], world, rank) for i in fulls}
+    pB = ppr_of(fulls[B].numel(), world)
+    bad = {
+        "first_rank_long": {0: pB + 1},
+        "last_rank_short": {world - 1: pB - 1},
+        "all_ranks_long": {r: pB + 2 for r in range(world)},
+    }[variant]
+    shard_b = torch.zeros(bad[rank], device=ctx.device) if rank in bad else shards[B]
+    with pytest.raises(RuntimeError, match=r"(?i)shard"):
+        runtime.register_z3_params([A, B], [s[1] for s in specs], [shards[A], shard_b], [None, None])
+
+    runtime.register_z3_params([A, B], [s[1] for s in specs], [shards[A], shards[B]], [None, None])
+    runtime.register_graph(GRAPH, [A, B], 3)
+    for i in (A, B):
+        out = gather(shards[i], GRAPH, i)
+        assert torch.equal(out, fulls[i])
+        ops.release_param(out, GRAPH, i, 1)
+
+
+@pytest.mark.parametrize("variant", ["first_rank_long", "last_rank_short", "all_ranks_long"])
+def test_error_wrong_shard_size_raises_on_every_rank(dist_world_size, variant):
+    run_distributed(_body_error_bad_shard, dist_world_size, args=(variant,))
+
+
+def _body_error_wrong_stage(ctx):
+    """ZeRO-3-only ops on a graph registered for stage 1 or 2 raise (not a bad cast / abort)."""
+    ctx.init_runtime(CONFIG)
+    offsets, pn = z12_layout(FP32_SPECS, ctx.world_size)
+    P = 11
+    shape = (5, 3)
+    runtime.register_z12_param(P, shape, full_param(P, shape, torch.float32, ctx.device), offsets[P], pn)
+    runtime.register_graph(GRAPH, [P], 1)
+    runtime.register_graph(GRAPH2, [P], 2)
+    x = torch.zeros(shape, device=ctx.device)
+    chk = ErrorChecks()
+    for gid, stage in ((GRAPH, 1), (GRAPH2, 2)):
+        chk.expect(f"stage {stage}: allgather_param", RE_STAGE, ops.allgather_param, x, gid, P)
+        chk.expect(f"stage {stage}: prefetch_params_fused", RE_STAGE, ops.prefetch_params_fused, gid, [x], [P])
+        chk.expect(f"stage {stage}: wait_allgather", RE_STAGE, ops.wait_allgather, x, gid, P)
+        chk.expect(f"stage {stage}: release_param", RE_STAGE, ops.release_param, x, gid, P, 1)
+    chk.assert_none()
+
+
+def test_error_executor_of_wrong_stage(dist_world_size):
+    run_distributed(_body_error_wrong_stage, dist_world_size)
