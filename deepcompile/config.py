@@ -456,11 +456,8 @@ _LIMIT = ("accepted when it cannot bind for the model (at least {what}); deepcom
           "with its profile-guided planner under compile.memory_budget_bytes / memory_budget_fraction, not by a "
           "parameter count, so a binding value is refused at initialize")
 
-# Keys that exist for one ZeRO stage: a value other than the default under another stage has no
-# effect there, so it is refused rather than ignored.
-_STAGE3_KEYS = ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                "stage3_max_reuse_distance", "sub_group_size")
-_STAGE12_KEYS = ("allgather_bucket_size",)
+# Keys of one ZeRO stage are inert under the others (validated only), as fp16's loss-scaling keys
+# are while fp16 is off: one config serves every stage by changing "stage" alone, as in DeepSpeed.
 
 _HIDDEN = " \"auto\": {}, where hidden_size is model.config.hidden_size (else this key's default)."
 
@@ -476,50 +473,39 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int = _key(
         _integer(1), 500_000_000,
         "ZeRO-1/2: elements all-gathered per collective when the updated partitions are gathered after the "
-        "optimizer step. ZeRO-3 gathers by stage3_prefetch_bucket_size (as DeepSpeed); another value is refused.")
+        "optimizer step. Inert under ZeRO-3, which gathers by stage3_prefetch_bucket_size (as DeepSpeed).")
     allgather_partitions: bool = _key(_only(True, _AG_PARTITIONS), True, "Only true: " + _AG_PARTITIONS + ".")
     reduce_scatter: bool = _key(_only(True, _RS), True, "Only true: " + _RS + ".")
     overlap_comm: bool = _key(_only(True, _OVERLAP), True, "Only true: " + _OVERLAP + ".")
     contiguous_gradients: bool = _key(_only(True, _CONTIGUOUS), True, "Only true: " + _CONTIGUOUS + ".")
     round_robin_gradients: bool = _key(_only(False, _RR), False, "Only false: " + _RR + ".")
     stage3_param_persistence_threshold: int = _key(
-        _integer(0), 100_000, "ZeRO-3: parameters with at most this many elements stay gathered."
+        _integer(0), 100_000, "ZeRO-3 (inert under ZeRO-1/2): parameters with at most this many elements stay "
+        "gathered."
         + _HIDDEN.format("10 * hidden_size"), auto="10 * hidden_size")
     stage3_prefetch_bucket_size: int = _key(
-        _integer(0), 50_000_000, "ZeRO-3: elements per fused prefetch group (0: one parameter per group)."
+        _integer(0), 50_000_000, "ZeRO-3 (inert under ZeRO-1/2): elements per fused prefetch group (0: one "
+        "parameter per group)."
         + _HIDDEN.format("int(0.9 * hidden_size ** 2)"), auto="int(0.9 * hidden_size ** 2)")
     stage3_max_live_parameters: Optional[int] = _key(
-        _optional(_integer(0)), None, "ZeRO-3: " + _LIMIT.format(what="the model's parameter count") + ".")
+        _optional(_integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2): "
+        + _LIMIT.format(what="the model's parameter count") + ".")
     stage3_max_reuse_distance: Optional[int] = _key(
-        _optional(_integer(0)), None, "ZeRO-3: " + _LIMIT.format(what="the model's parameter count") + ".")
+        _optional(_integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2): "
+        + _LIMIT.format(what="the model's parameter count") + ".")
     stage3_gather_16bit_weights_on_model_save: Any = _key(
         _bool, False, "ZeRO-3: no effect by design, any value: deepcompile has no model-save path that could skip "
         "consolidation; engine.full_state_dict() gathers the full weights (in the parameters' dtype) whenever it is "
         "called.", auto="kept: the key has no effect either way")
     sub_group_size: Optional[int] = _key(
         _optional(_integer(1)), None,
-        "ZeRO-3: the optimizer step runs over all of this rank's master shards at once; accepted when that is one "
-        "sub-group (at least ceil(parameter count / world size) elements), a smaller value is refused.")
+        "ZeRO-3 (inert under ZeRO-1/2): the optimizer step runs over all of this rank's master shards at once; "
+        "accepted when that is one sub-group (at least ceil(parameter count / world size) elements), a smaller value is refused.")
     offload_param: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
     offload_optimizer: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
     cpu_offload: bool = _key(_off_only("ZeRO-Offload (the deprecated cpu_offload switch)"), False,
                              "Deprecated DeepSpeed switch for offload_optimizer to the CPU: only false.")
     memory_efficient_linear: bool = _key(_only(False, _MEL), False, "Only false: " + _MEL + ".")
-
-    def _check_together(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
-        problems: List[Tuple[str, str]] = []
-        if not valid("stage"):
-            return problems
-        wrong = _STAGE3_KEYS if self.stage != 3 else _STAGE12_KEYS
-        fields = {f.name: f for f in dataclasses.fields(self)}
-        for name in wrong:
-            value, default = getattr(self, name), fields[name].default
-            if valid(name) and value != default and not _is_auto(value):
-                which = "3" if name in _STAGE3_KEYS else "1 and 2"
-                key = self._dotted(name)
-                problems.append((key, f"{key} applies to ZeRO stage {which} only; it would have no effect with "
-                                      f"stage {self.stage}: remove it"))
-        return problems
 
 
 # ---- deepcompile
@@ -1054,7 +1040,7 @@ class Config(_Section):
         if zero_changes:
             changes["zero_optimization"] = z = dataclasses.replace(z, **zero_changes)
 
-        if model is not None:
+        if model is not None and z.stage == 3:  # stage-3 keys are inert under ZeRO-1/2
             params = {id(p): p for p in model.parameters()}.values()
             total = sum(p.numel() for p in params)
             per_rank = -(-total // world_size)
