@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import debug_checks, runtime
+from deepcompile import debug_checks, optim_builder, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
+from deepcompile.step_report import StepReport
 from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
@@ -44,21 +45,30 @@ def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: C
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Config,
+                 lr_scheduler: Any = None, model_parameters: Any = None):
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Fill "auto", complete the batch sizes and check what depends on the model (config.py).
+        config = config.resolve(self.world_size, model)
         self.config = config
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = next(model.parameters()).device
-        config.check_batch_size(self.world_size)
         _check_implemented(config)
+        if config.bf16.enabled:
+            optim_builder.cast_floating_parameters(model, torch.bfloat16)
+        optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
         self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group)
         self.optimizer = self.sharding.optimizer
+        # The torch optimizer itself (ZeRO-3 wraps it): what schedules and get_lr() act on.
+        self.basic_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.lr_scheduler = optim_builder.configure_scheduler(self.basic_optimizer, config, lr_scheduler)
+        self.step_report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.rank, self.device)
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
@@ -95,10 +105,14 @@ class Engine:
                                         first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
                                         can_profile=self.compiled_module.has_backends)
         module = self._compiled if self._compiled is not None else self.module
-        return module(*args, **kwargs)
+        self.step_report.start("forward")
+        out = module(*args, **kwargs)
+        self.step_report.stop("forward")
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         self.sharding.start_backward(self.is_gradient_accumulation_boundary())
+        self.step_report.start("backward")
         try:
             (loss / self.gradient_accumulation_steps).backward()
         finally:
@@ -106,6 +120,7 @@ class Engine:
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
         torch.ops.dc.end_backward([], EAGER_GRAPH_ID, True)
+        self.step_report.stop("backward")
         if self._ledger is not None:
             debug_checks.check_finite("the loss", {"loss": loss.detach()})
 
@@ -116,12 +131,22 @@ class Engine:
             return
         if self._ledger is not None:
             self._check_window()
+        self.step_report.start("step")
         self.sharding.step(self.config.gradient_clipping)
+        # As DeepSpeed: the schedule advances once per optimizer step, at the accumulation boundary.
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step_report.stop("step")
         self.global_steps += 1
+        self.step_report.after_optimizer_step(self.global_steps, self.get_lr())
         if self.scheduler.on_optimizer_step(self.global_steps):
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
                 self._compiled = recompiled
+
+    def get_lr(self) -> List[float]:
+        """The learning rate of each optimizer param group, as the next optimizer step uses it."""
+        return optim_builder.learning_rates(self.basic_optimizer)
 
     def _check_window(self) -> None:
         """compile.debug_checks at the optimizer step: every gradient of the window arrived once,
@@ -160,7 +185,22 @@ class Engine:
 
 
 def initialize(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: Union[Dict[str, Any], str, Config]
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    config: Union[Dict[str, Any], str, Config, None] = None,
+    *,
+    lr_scheduler: Any = None,
+    model_parameters: Any = None,
 ) -> Engine:
-    """Partition ``model`` and ``optimizer`` over the default process group and return the engine."""
-    return Engine(model, optimizer, Config.from_any(config))
+    """Partition ``model`` and ``optimizer`` over the default process group and return the engine.
+
+    ``optimizer=None`` builds the optimizer from the config's ``optimizer`` section (over
+    ``model_parameters``, default: the trainable parameters); the config's ``scheduler`` section,
+    or ``lr_scheduler`` (a scheduler of ``optimizer`` or a callable taking the optimizer), becomes
+    ``engine.lr_scheduler``, stepped once per optimizer step. An object and a section for the same
+    thing together are an error (docs/config.md).
+    """
+    if config is None:
+        raise TypeError("deepcompile.initialize needs a config (a dict, a path to a JSON file or a deepcompile.Config)")
+    return Engine(model, optimizer, Config.from_any(config), lr_scheduler=lr_scheduler,
+                  model_parameters=model_parameters)

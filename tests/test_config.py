@@ -10,7 +10,24 @@ import pathlib
 
 import pytest
 
-from deepcompile.config import Bf16Config, CompileConfig, Config, Fp16Config, ZeroConfig
+from deepcompile.config import (
+    ActivationCheckpointingConfig,
+    Bf16Config,
+    CompileConfig,
+    Config,
+    ConfigError,
+    CsvMonitorConfig,
+    Fp16Config,
+    HybridEngineConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TensorboardConfig,
+    WandbConfig,
+    ZeroConfig,
+)
+
+SECTIONS = (Config, ZeroConfig, CompileConfig, Bf16Config, Fp16Config, OptimizerConfig, SchedulerConfig,
+            ActivationCheckpointingConfig, TensorboardConfig, CsvMonitorConfig, WandbConfig, HybridEngineConfig)
 
 Z3 = {"zero_optimization": {"stage": 3}}
 
@@ -33,18 +50,26 @@ def test_defaults():
     c = Config.from_dict(Z3)
     assert c.train_micro_batch_size_per_gpu is None
     assert c.train_batch_size is None
-    assert c.gradient_accumulation_steps == 1
+    assert c.gradient_accumulation_steps is None  # unset: derived at initialize (1 here)
+    assert c.resolve(world_size=2).gradient_accumulation_steps == 1
     assert c.gradient_clipping == 0.0
     assert c.steps_per_print == 10
     assert c.wall_clock_breakdown is False
     assert c.bf16 == Bf16Config(enabled=False)
     assert c.fp16 == Fp16Config(enabled=False)
+    assert c.optimizer is None and c.scheduler is None
+    assert c.communication_data_type is None
+    assert c.prescale_gradients is False and c.gradient_predivide_factor == 1.0
+    assert c.zero_allow_untested_optimizer is False
 
     z = c.zero_optimization
     assert z.stage == 3
     assert z.reduce_bucket_size == 500_000_000
     assert z.stage3_param_persistence_threshold == 100_000
     assert z.offload_param is None and z.offload_optimizer is None
+    assert z.overlap_comm and z.contiguous_gradients and z.allgather_partitions and z.reduce_scatter
+    assert not z.round_robin_gradients and not z.memory_efficient_linear
+    assert z.stage3_max_live_parameters is None and z.stage3_max_reuse_distance is None and z.sub_group_size is None
 
     k = c.compile
     assert k.deepcompile is True
@@ -62,7 +87,7 @@ def test_defaults():
 
 
 def test_every_field_is_documented_and_has_a_validator():
-    for cls in (Config, ZeroConfig, CompileConfig, Bf16Config, Fp16Config):
+    for cls in SECTIONS:
         for f in dataclasses.fields(cls):
             assert f.metadata["doc"], (cls.__name__, f.name)
             assert callable(f.metadata["check"]), (cls.__name__, f.name)
@@ -77,18 +102,24 @@ FULL = {
     "gradient_clipping": 1.0,
     "steps_per_print": 5,
     "wall_clock_breakdown": True,
+    "communication_data_type": "fp32",
     "bf16": {"enabled": True},
-    "fp16": {"enabled": False},
+    "fp16": {"enabled": False, "loss_scale": 0, "initial_scale_power": 16},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}},
+    "activation_checkpointing": {"partition_activations": False, "number_checkpoints": None},
+    "tensorboard": {"enabled": False, "output_path": "/tmp/tb"},
     "zero_optimization": {
-        "stage": 2,
+        "stage": 3,
         "reduce_bucket_size": 5e8,
         "stage3_param_persistence_threshold": 0,
-        "contiguous_gradients": False,
+        "contiguous_gradients": True,
         "overlap_comm": True,
-        "allgather_bucket_size": 2e8,
         "stage3_prefetch_bucket_size": 0,
         "stage3_max_live_parameters": 10,
         "stage3_max_reuse_distance": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "sub_group_size": 1e9,
         "offload_param": {"device": "none"},
         "offload_optimizer": {"device": "none", "pin_memory": True},
     },
@@ -131,7 +162,10 @@ def test_full_values_are_normalized():
     c = Config.from_any(FULL)
     assert c.zero_optimization.reduce_bucket_size == 500_000_000
     assert type(c.zero_optimization.reduce_bucket_size) is int
-    assert type(c.zero_optimization.allgather_bucket_size) is int
+    assert type(c.zero_optimization.sub_group_size) is int
+    assert c.optimizer.params_dict()["betas"] == (0.9, 0.95)
+    assert c.optimizer.params_dict()["eps"] == 1e-8  # defaults filled in
+    assert c.scheduler.params_dict()["cos_min_ratio"] == 1e-4
     assert c.compile.memory_budget_fraction == 1.0 and type(c.compile.memory_budget_fraction) is float
     assert c.bf16.enabled is True
     assert c.compile.report_dir == "/tmp/dc"
@@ -186,9 +220,9 @@ def test_config_is_immutable_and_replace_validates():
 
 
 def test_unknown_top_level_key():
-    msg = err(make(optimizer={"type": "Adam"}))
-    assert "'optimizer'" in msg
-    for k in ("zero_optimization", "compile", "bf16", "train_batch_size", "gradient_clipping"):
+    msg = err(make(amp={"enabled": False}))
+    assert "'amp'" in msg
+    for k in ("zero_optimization", "compile", "bf16", "train_batch_size", "gradient_clipping", "optimizer"):
         assert k in msg
 
 
@@ -217,6 +251,7 @@ def test_unknown_nested_key_names_the_dotted_path_and_lists_supported_keys():
         (make(compile={"prefetch": "yes"}), "compile.prefetch must be true or false, got 'yes' (str)"),
         (make(wall_clock_breakdown=0), "wall_clock_breakdown must be true or false"),
         ({"zero_optimization": {"stage": 3, "overlap_comm": None}}, "zero_optimization.overlap_comm"),
+        (make(communication_data_type="float32"), "communication_data_type must be one of 'fp32', 'bf16'"),
         # int keys reject bools, non-integral floats, strings and out-of-range values
         ({"zero_optimization": {"stage": 3, "reduce_bucket_size": -3}},
          "zero_optimization.reduce_bucket_size must be a positive integer, got -3"),
@@ -366,3 +401,383 @@ def test_runtime_config_mapping():
 
     small = Config.from_any({"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}})
     assert small.runtime_config()["reduce_bucket_size"] == 1000
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed keys
+# (issue 16, part 5: configs as Hugging Face Trainer, accelerate and DeepSpeed users write them)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+class _Model(nn.Module):
+    """A model with an HF-style config (hidden_size drives the "auto" bucket sizes)."""
+
+    def __init__(self, hidden=16, dtype=torch.float32, with_config=True):
+        super().__init__()
+        if with_config:
+            self.config = type("Cfg", (), {"hidden_size": hidden})()
+        self.a = nn.Linear(hidden, 2 * hidden, dtype=dtype)
+        self.b = nn.Linear(2 * hidden, 3, dtype=dtype)
+
+
+def keys_of(d, world=2, model=None):
+    """The dotted keys a config is refused for (parse and resolve), or [] when it is accepted."""
+    try:
+        Config.from_any(d).resolve(world, model)
+    except ConfigError as e:
+        return sorted(e.keys)
+    return []
+
+
+def test_all_problems_are_reported_at_once():
+    d = {
+        "zero_optimization": {"stage": 3, "overlap_comm": False, "offload_param": {"device": "cpu"}, "stgae": 1},
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+        "gradient_clipping": "auto",
+        "tensorboard": {"enabled": True},
+        "foo": 1,
+    }
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(d)
+    assert sorted(e.value.keys) == sorted([
+        "foo", "zero_optimization.stgae", "zero_optimization.overlap_comm", "zero_optimization.offload_param.device",
+        "fp16.enabled", "optimizer.type", "gradient_clipping", "tensorboard.enabled"])
+    msg = str(e.value)
+    assert msg.startswith("8 problems in the config:")
+    assert "TrainingArguments.max_grad_norm" in msg  # why gradient_clipping "auto" cannot be derived
+    assert isinstance(e.value, ValueError)
+
+
+def test_deepspeed_aliases():
+    c = Config.from_any({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True},
+                         "bfloat16": {"enabled": True}})
+    assert c.bf16.enabled is True
+    assert c.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    msg = err({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+    assert "both given" in msg
+
+
+# Keys without effect by design: accepted with the value that describes the runtime, refused with
+# any other value, with the reason. (section, key, accepted value, refused value, words of the reason)
+ONLY_VALUE = [
+    ("zero_optimization", "overlap_comm", True, False, "dedicated streams"),
+    ("zero_optimization", "contiguous_gradients", True, False, "contiguous reduce buckets"),
+    ("zero_optimization", "reduce_scatter", True, False, "never all-reduced"),
+    ("zero_optimization", "allgather_partitions", True, False, "all-gathered"),
+    ("zero_optimization", "round_robin_gradients", False, True, "offload_optimizer"),
+    ("zero_optimization", "memory_efficient_linear", False, True, "not implemented"),
+    ("zero_optimization", "cpu_offload", False, True, "not supported"),
+    ("bf16", "bf16_master_weights_and_grads", False, True, "always fp32"),
+    ("fp16", "fp16_master_weights_and_grads", False, True, "always fp32"),
+    ("activation_checkpointing", "partition_activations", False, True, "torch.utils.checkpoint"),
+    ("activation_checkpointing", "cpu_checkpointing", False, True, "torch.utils.checkpoint"),
+    ("activation_checkpointing", "contiguous_memory_optimization", False, True, "torch.utils.checkpoint"),
+    ("activation_checkpointing", "synchronize_checkpoint_boundary", False, True, "torch.utils.checkpoint"),
+    ("activation_checkpointing", "profile", False, True, "torch.utils.checkpoint"),
+    ("tensorboard", "enabled", False, True, "monitoring backends are not implemented"),
+    ("csv_monitor", "enabled", False, True, "monitoring backends are not implemented"),
+    ("wandb", "enabled", False, True, "monitoring backends are not implemented"),
+    ("hybrid_engine", "enabled", False, True, "hybrid"),
+    (None, "prescale_gradients", False, True, "averages gradients inside the collective"),
+    (None, "gradient_predivide_factor", 1.0, 2.0, "averages gradients inside the collective"),
+]
+
+
+@pytest.mark.parametrize("section,key,ok,bad,why", ONLY_VALUE, ids=lambda v: v if isinstance(v, str) else None)
+def test_keys_without_effect_accept_only_the_runtime_value(section, key, ok, bad, why):
+    def cfg(value):
+        if section is None:
+            return make(**{key: value})
+        if section == "zero_optimization":
+            return {"zero_optimization": {"stage": 3, key: value}}
+        return make(**{section: {key: value}})
+
+    Config.from_any(cfg(ok))
+    msg = err(cfg(bad))
+    dotted = f"{section}.{key}" if section else key
+    assert dotted in msg and why in msg, msg
+
+
+def test_inert_keys_accept_any_valid_value():
+    Config.from_any({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
+                     "zero_force_ds_cpu_optimizer": False, "activation_checkpointing": {"number_checkpoints": 4},
+                     "fp16": {"enabled": False, "auto_cast": True, "loss_scale": 128, "hysteresis": 2,
+                              "consecutive_hysteresis": True, "min_loss_scale": 1, "loss_scale_window": 100},
+                     "hybrid_engine": {"enabled": False, "max_out_tokens": 256, "inference_tp_size": 1},
+                     "wandb": {"enabled": False, "project": "p", "team": None}})
+
+
+@pytest.mark.parametrize("key,value", [("stage3_param_persistence_threshold", 0), ("stage3_prefetch_bucket_size", 7),
+                                       ("stage3_max_live_parameters", 10), ("sub_group_size", 1),
+                                       ("stage3_max_reuse_distance", 0)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage3_keys_are_inert_under_stage_1_and_2(stage, key, value):
+    # One config serves every stage by changing "stage" alone (as in DeepSpeed): the keys of
+    # another stage are validated, and a limit that would bind under ZeRO-3 is not checked.
+    Config.from_any({"zero_optimization": {"stage": stage, key: value}}).resolve(2, _Model())
+    assert f"zero_optimization.{key}" in err({"zero_optimization": {"stage": stage, key: -1}})
+    if key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
+        c = Config.from_any({"zero_optimization": {"stage": stage, key: "auto"}}).resolve(2, _Model())
+        assert getattr(c.zero_optimization, key) == getattr(ZeroConfig(stage=stage), key)
+
+
+def test_allgather_bucket_size_is_inert_under_stage_3():
+    Config.from_any({"zero_optimization": {"stage": 3, "allgather_bucket_size": 2e8}})
+    assert "allgather_bucket_size must be a positive integer" in err(
+        {"zero_optimization": {"stage": 3, "allgather_bucket_size": 0}})
+
+
+# ---- "auto"
+
+
+def test_auto_bucket_sizes_follow_the_hidden_size():
+    d = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                               "stage3_param_persistence_threshold": "auto"}}
+    c = Config.from_any(d)
+    assert c.zero_optimization.reduce_bucket_size == "auto"
+    with pytest.raises(ValueError, match="still \"auto\""):
+        c.runtime_config()
+    z = c.resolve(2, _Model(hidden=24)).zero_optimization
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        24 * 24, int(0.9 * 24 * 24), 240)
+    # no hidden size known: the defaults
+    z = c.resolve(2, _Model(with_config=False)).zero_optimization
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        500_000_000, 50_000_000, 100_000)
+    # hidden_sizes (several stages, e.g. convolutional models): the largest
+    m = _Model(with_config=False)
+    m.config = type("Cfg", (), {"hidden_sizes": [8, 32, 16]})()
+    assert c.resolve(2, m).zero_optimization.reduce_bucket_size == 32 * 32
+
+
+def test_auto_precision_follows_the_model_dtype():
+    d = make(bf16={"enabled": "auto"}, fp16={"enabled": "auto"})
+    assert Config.from_any(d).resolve(2, _Model(dtype=torch.bfloat16)).bf16.enabled is True
+    c = Config.from_any(d).resolve(2, _Model())
+    assert c.bf16.enabled is False and c.fp16.enabled is False
+    assert keys_of(d, model=_Model(dtype=torch.float16)) == ["fp16.enabled"]
+    assert keys_of(d, model=None) == ["bf16.enabled", "fp16.enabled"]
+
+
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        # one "auto" of the three: derived from the other two (an absent gas counts as 1)
+        (dict(train_batch_size="auto", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2), 2, (16, 4, 2)),
+        (dict(train_batch_size="auto", train_micro_batch_size_per_gpu=4), 3, (12, 4, 1)),
+        (dict(train_batch_size=24, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps=3), 2,
+         (24, 4, 3)),
+        (dict(train_batch_size=24, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps="auto"), 2,
+         (24, 4, 3)),
+        # DeepSpeed's completion without "auto"
+        (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), 2, (32, 4, 4)),
+        (dict(train_batch_size=32), 4, (32, 8, 1)),
+        (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=5), 2, (20, 2, 5)),
+        (dict(gradient_accumulation_steps=5), 2, (None, None, 5)),
+        ({}, 2, (None, None, 1)),
+    ],
+)
+def test_batch_sizes_are_completed(given, world, expected):
+    c = Config.from_any(make(**given)).resolve(world)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == expected
+    assert c.resolve(world) == c  # idempotent
+
+
+def test_batch_sizes_that_cannot_be_derived():
+    two = make(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps=1)
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(two).resolve(2)
+    assert sorted(e.value.keys) == ["train_batch_size", "train_micro_batch_size_per_gpu"]
+    assert "per_device_train_batch_size" in str(e.value)
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu is not given"):
+        Config.from_any(make(train_batch_size="auto")).resolve(2)
+    with pytest.raises(ConfigError, match=r"must be divisible by train_micro_batch_size_per_gpu \(4\) \* world size"):
+        Config.from_any(make(train_batch_size=20, train_micro_batch_size_per_gpu=4)).resolve(2)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        Config.from_any(make(train_batch_size=20, train_micro_batch_size_per_gpu="auto",
+                             gradient_accumulation_steps=3)).resolve(2)
+
+
+@pytest.mark.parametrize(
+    "d, key, words",
+    [
+        (make(gradient_clipping="auto"), "gradient_clipping", "max_grad_norm"),
+        (make(optimizer={"type": "AdamW", "params": {"lr": "auto"}}), "optimizer.params.lr", "learning_rate"),
+        (make(optimizer={"type": "AdamW", "params": {"lr": 1, "betas": "auto"}}), "optimizer.params.betas",
+         "adam_beta1"),
+        (make(optimizer={"type": "Adam", "params": {"eps": "auto"}}), "optimizer.params.eps", "adam_epsilon"),
+        (make(optimizer={"type": "SGD", "params": {"weight_decay": "auto"}}), "optimizer.params.weight_decay",
+         "weight_decay"),
+        (make(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}),
+         "scheduler.params.warmup_num_steps", "warmup_ratio"),
+        (make(scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}),
+         "scheduler.params.total_num_steps", "training length"),
+        (make(steps_per_print="auto"), "steps_per_print", "cannot derive"),
+        (make(compile={"prefetch": "auto"}), "compile.prefetch", "cannot derive"),
+    ],
+)
+def test_auto_that_cannot_be_derived_names_the_key(d, key, words):
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(d)
+    assert e.value.keys == [key]
+    assert f'{key} is "auto"' in str(e.value) and words in str(e.value)
+
+
+def test_scheduler_auto_learning_rates():
+    c = Config.from_any(make(scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                                        "warmup_max_lr": "auto"}}))
+    p = c.scheduler.params_dict()
+    assert p["warmup_min_lr"] == 0.0  # the constant HF fills
+    assert p["warmup_max_lr"] == "auto"  # the optimizer's learning rate, taken when the schedule is built
+
+
+# ---- limits accepted only when they cannot bind
+
+
+def test_limits_that_would_bind_are_refused():
+    model = _Model(hidden=16)  # 16*32+32 + 32*3+3 = 643 parameters
+    n = sum(p.numel() for p in model.parameters())
+    z = lambda **kw: {"zero_optimization": {"stage": 3, **kw}}  # noqa: E731
+    assert keys_of(z(stage3_max_live_parameters=n, stage3_max_reuse_distance=1e9, sub_group_size=-(-n // 2)),
+                   model=model) == []
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(z(stage3_max_live_parameters=n - 1, stage3_max_reuse_distance=10,
+                          sub_group_size=100)).resolve(2, model)
+    assert sorted(e.value.keys) == ["zero_optimization.stage3_max_live_parameters",
+                                    "zero_optimization.stage3_max_reuse_distance", "zero_optimization.sub_group_size"]
+    assert "memory_budget_bytes" in str(e.value) and f"({n} parameters)" in str(e.value)
+
+
+# ---- communication_data_type
+
+
+@pytest.mark.parametrize(
+    "stage, dtype, bf16, comm, gas, refused",
+    [
+        (3, torch.float32, False, "fp32", 1, False),
+        (3, torch.float32, False, "bf16", 1, False),
+        (3, torch.bfloat16, True, "bf16", 1, False),
+        (3, torch.float32, True, "bf16", 2, True),   # would accumulate micro-steps in bf16 partitions
+        (2, torch.float32, True, "bf16", 1, False),  # bf16.enabled: parameters (and so reductions) are bf16
+        (2, torch.float32, False, "fp32", 1, False),
+        (1, torch.bfloat16, False, "bf16", 2, False),
+        (2, torch.float32, True, "fp32", 1, True),   # ZeRO-1/2 reduce in the parameters' dtype
+        (1, torch.float32, False, "bf16", 1, True),
+    ],
+)
+def test_communication_data_type(stage, dtype, bf16, comm, gas, refused):
+    d = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "communication_data_type": comm,
+         "gradient_accumulation_steps": gas}
+    keys = keys_of(d, model=_Model(dtype=dtype))
+    assert keys == (["communication_data_type"] if refused else []), keys
+
+
+def test_fp16_communication_is_refused():
+    assert "communication_data_type=\"fp16\" is not supported" in err(make(communication_data_type="fp16"))
+
+
+def test_zero3_reduce_dtype():
+    assert Config.from_any(Z3).zero3_reduce_dtype() is torch.float32
+    assert Config.from_any(make(communication_data_type="bf16")).zero3_reduce_dtype() is torch.bfloat16
+
+
+# ---- optimizer and scheduler sections
+
+
+def test_optimizer_section():
+    c = Config.from_any(make(optimizer={"type": "adam", "params": {"lr": 3e-4, "adam_w_mode": False}}))
+    assert c.optimizer.type == "Adam"  # DeepSpeed matches its optimizer names case-insensitively
+    assert c.optimizer.params_dict() == {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                         "adam_w_mode": False, "bias_correction": True, "amsgrad": False,
+                                         "torch_adam": False}
+    sgd = Config.from_any(make(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}))
+    assert sgd.optimizer.params_dict()["nesterov"] is True
+
+
+@pytest.mark.parametrize(
+    "section, key, words",
+    [
+        ({"type": "Lamb"}, "optimizer.type", "deepcompile builds Adam, AdamW, SGD"),
+        ({"params": {"lr": 1}}, "optimizer.type", "required"),
+        ({"type": "AdamW", "params": {"lr": -1}}, "optimizer.params.lr", "must be a number >= 0.0"),
+        ({"type": "AdamW", "params": {"betas": [0.9]}}, "optimizer.params.betas", "list of two numbers"),
+        ({"type": "AdamW", "params": {"momentum": 0.9}}, "optimizer.params.momentum", "supported: lr, betas"),
+        ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm", "gradient_clipping"),
+        ({"type": "AdamW", "params": {"adam_w_mode": False}}, "optimizer.params.adam_w_mode", "contradicts"),
+        ({"type": "Adam", "params": {"bias_correction": False}}, "optimizer.params.bias_correction", "bias"),
+        ({"type": "AdamW", "legacy_fusion": True}, "optimizer.legacy_fusion", "fp16"),
+        ({"type": "AdamW", "params": [1]}, "optimizer.params", "must be an object"),
+    ],
+)
+def test_bad_optimizer_sections(section, key, words):
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(make(optimizer=section))
+    assert e.value.keys == [key] and words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "section, key, words",
+    [
+        ({"type": "OneCycle", "params": {}}, "scheduler.type", "WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+        ({"type": "warmuplr"}, "scheduler.type", "did you mean 'WarmupLR'"),
+        ({"type": "WarmupDecayLR", "params": {}}, "scheduler.params.total_num_steps", "required"),
+        ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type", "'log', 'linear'"),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, "scheduler.params.warmup_num_steps", "positive"),
+        ({"type": "WarmupLR", "params": {"last_batch_iteration": 5}}, "scheduler.params.last_batch_iteration",
+         "first step"),
+        ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "cos_min_ratio": 2}},
+         "scheduler.params.cos_min_ratio", "[0.0, 1.0]"),
+        ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_max_lr": 1}},
+         "scheduler.params.warmup_max_lr", "unknown config key"),
+    ],
+)
+def test_bad_scheduler_sections(section, key, words):
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(make(scheduler=section))
+    assert e.value.keys == [key] and words in str(e.value), str(e.value)
+
+
+# ---- the key table in docs/config.md lists every key the code accepts
+
+
+def _documented_keys():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    text = text.split("## The table", 1)[1]
+    keys = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            keys.add(line.split("`")[1])
+    return keys
+
+
+def _code_keys():
+    keys = set()
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            name = prefix + f.name
+            sub = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": Bf16Config, "fp16": Fp16Config,
+                   "activation_checkpointing": ActivationCheckpointingConfig, "tensorboard": TensorboardConfig,
+                   "csv_monitor": CsvMonitorConfig, "wandb": WandbConfig, "hybrid_engine": HybridEngineConfig,
+                   "optimizer": OptimizerConfig, "scheduler": SchedulerConfig}.get(name) if not prefix else None
+            if sub is not None:
+                walk(sub, name + ".")
+            else:
+                keys.add(name)
+
+    walk(Config, "")
+    from deepcompile.config import OPTIMIZER_TYPES, SCHEDULER_TYPES
+
+    for spec in (*OPTIMIZER_TYPES.values(), *SCHEDULER_TYPES.values()):
+        keys |= {"optimizer.params." + k if spec in OPTIMIZER_TYPES.values() else "scheduler.params." + k
+                 for k in spec}
+    keys -= {"optimizer.params", "scheduler.params"}
+    return keys | {"optimizer", "scheduler"}  # the two sections have rows of their own
+
+
+def test_docs_table_lists_every_key():
+    documented, code = _documented_keys(), _code_keys()
+    assert not code - documented, f"keys missing from docs/config.md: {sorted(code - documented)}"
+    assert not documented - code, f"docs/config.md lists keys the code does not have: {sorted(documented - code)}"

@@ -81,7 +81,10 @@ class ShardedOptimizer:
 
         for sp in self.trainable:
             # As in torch: a parameter that got no gradient in this window is not stepped.
-            sp.master.grad = runtime.grad_target(sp.ds_id) if runtime.was_reduced(sp.ds_id) else None
+            grad = runtime.grad_target(sp.ds_id) if runtime.was_reduced(sp.ds_id) else None
+            # A partition in the reduce dtype (bf16 with communication_data_type "bf16") meets
+            # the fp32 master weights in fp32.
+            sp.master.grad = grad if grad is None or grad.dtype == sp.master.dtype else grad.to(sp.master.dtype)
         self.optimizer.step()
         for sp in self.trainable:
             sp.master.grad = None

@@ -37,6 +37,7 @@ class Zero12Sharding(Sharding):
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
         self.stage = stage
+        self.allgather_bucket_size = config.zero_optimization.allgather_bucket_size
         self.module = model
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -135,10 +136,27 @@ class Zero12Sharding(Sharding):
             dtype = g.params[0].dtype
             # gloo cannot gather every half type on every torch version; fp32 is exact.
             comm_dtype = torch.float32 if g.master.device.type == "cpu" else dtype
-            flat = torch.empty(g.partition_numel * self.world, dtype=comm_dtype, device=g.master.device)
-            dist.all_gather_into_tensor(flat, g.master.detach().to(comm_dtype), group=self.group)
-            for p, off in zip(g.params, g.offsets):
-                p.copy_(flat[off : off + p.numel()].view_as(p))
+            P = g.partition_numel
+            # zero_optimization.allgather_bucket_size bounds the elements of one all-gather (all
+            # ranks' pieces together), hence its staging buffer.
+            chunk = max(1, self.allgather_bucket_size // self.world)
+            if chunk >= P:
+                flat = torch.empty(P * self.world, dtype=comm_dtype, device=g.master.device)
+                dist.all_gather_into_tensor(flat, g.master.detach().to(comm_dtype), group=self.group)
+                for p, off in zip(g.params, g.offsets):
+                    p.copy_(flat[off : off + p.numel()].view_as(p))
+                continue
+            for lo in range(0, P, chunk):
+                hi = min(P, lo + chunk)
+                got = torch.empty(self.world, hi - lo, dtype=comm_dtype, device=g.master.device)
+                dist.all_gather_into_tensor(got.view(-1), g.master.detach()[lo:hi].to(comm_dtype), group=self.group)
+                for r in range(self.world):
+                    # Rank r's piece holds flat elements [r * P + lo, r * P + hi) of the group.
+                    begin, end = r * P + lo, r * P + hi
+                    for p, off in zip(g.params, g.offsets):
+                        a, b = max(begin, off), min(end, off + p.numel())
+                        if b > a:
+                            p.view(-1)[a - off : b - off].copy_(got[r, a - begin : b - begin])
 
     def eagerly_gathered_params(self) -> List[str]:
         return []  # parameters are replicated: nothing is ever gathered

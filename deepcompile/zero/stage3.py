@@ -26,13 +26,16 @@ class Zero3Sharding(Sharding):
             model, config.zero_optimization.stage3_param_persistence_threshold, group
         )
         self.optimizer = ShardedOptimizer(optimizer, self.params, group)
+        # communication_data_type: trainable gradients are reduced in this dtype, and their
+        # partitions are allocated in it (fp32 unless "bf16").
+        reduce_dtype = config.zero3_reduce_dtype()
         runtime.register_z3_params(
             [sp.ds_id for sp in self.params],
             [list(sp.shape) for sp in self.params],
             [sp.shard for sp in self.params],
             [None] * len(self.params),  # gradient partitions are allocated per window (optimizer.py)
             [sp.persistent for sp in self.params],
-            [torch.float32 if sp.trainable else None for sp in self.params],
+            [reduce_dtype if sp.trainable else None for sp in self.params],
             gather_dtypes=[sp.gather_dtype for sp in self.params],
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
