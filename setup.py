@@ -53,7 +53,9 @@ _missing = [
 if _missing:
     sys.exit(f"deepcompile: {', '.join(_missing)} not compiled: add to csrc/runtime_unity.cpp")
 include_dirs = [os.path.join(ROOT, "csrc", "include")]
-cxx_flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-function"]
+# No -std flag: BuildExtension adds the C++ standard torch's headers need (C++20 in 2.12; torch
+# 2.15's headers refuse anything older, so a pinned -std=c++17 broke the build there).
+cxx_flags = ["-O2", "-Wall", "-Wno-unused-function"]
 
 nccl = find_nccl() if CUDA_HOME and os.environ.get("DC_DISABLE_CUDA") != "1" else None
 if nccl is not None:
