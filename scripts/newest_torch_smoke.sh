@@ -24,7 +24,7 @@ START=$SECONDS
 # Qwen2-MoE) and ZeRO-1 (Inductor, bf16, accumulation); the profile-guided ZeRO-3 schedule.
 TESTS=(
   tests/test_compat.py
-  tests/test_op_schemas.py
+  tests/runtime/test_op_schemas.py
   tests/test_zero3_pass.py
   "tests/test_zero3_parity.py::test_zero3_parity[mlp-inductor-False]"
   "tests/test_zero3_parity.py::test_zero3_parity[llama-eager-False]"

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from deepcompile.config import Config, ConfigError
-from multiproc import run_distributed
+from _harness.multiproc import run_distributed
 
 WORLD = 2
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "ds_configs"

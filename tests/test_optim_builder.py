@@ -20,7 +20,7 @@ from deepcompile.optim_builder import (
     configure_optimizer,
     configure_scheduler,
 )
-from multiproc import run_distributed
+from _harness.multiproc import run_distributed
 
 WORLD = 2
 
