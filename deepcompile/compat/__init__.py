@@ -7,10 +7,10 @@ one, so a torch upgrade that moves something fails there, in a test named after 
 * ``aot``: building the aot_autograd backend, the partitioner, and the conventions of the graphs
   aot_autograd hands over (input order, names of saved inputs, gradient positions, recompute tags);
 * ``inductor``: the inner compiler, its decompositions and joint-graph passes, buffer protection;
-* ``dynamo``: registering the ``"deepcompile"`` backend name;
+* ``dynamo``: registering the ``"deepcompile"`` backend name, the fake values of Dynamo's graphs;
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
 * ``modules``: swapping a module's registered parameter for a gathered tensor;
-* ``tensors``: multi-tensor (foreach) kernels.
+* ``tensors``: multi-tensor (foreach) kernels, storage identity.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from deepcompile.compat.aot import (
     min_cut_partition,
     saved_forward_inputs,
 )
-from deepcompile.compat.dynamo import register_backend
+from deepcompile.compat.dynamo import register_backend, set_traced_value, traced_value
 from deepcompile.compat.fx import (
     eager_input_vals,
     is_op_overload,
     mark_ops_side_effectful,
+    operator_namespace,
     overload_packet_name,
     returns_view_of_input,
     set_eager_input_vals,
@@ -46,7 +47,7 @@ from deepcompile.compat.inductor import (
     protect_runtime_buffers_in_inductor,
 )
 from deepcompile.compat.modules import direct_parameters, swap_parameter
-from deepcompile.compat.tensors import foreach_mul_, foreach_norm
+from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -69,13 +70,17 @@ __all__ = [
     "mark_must_recompute",
     "mark_ops_side_effectful",
     "min_cut_partition",
+    "operator_namespace",
     "overload_packet_name",
     "protect_runtime_buffers_in_inductor",
     "register_backend",
     "returns_view_of_input",
     "saved_forward_inputs",
     "set_eager_input_vals",
+    "set_traced_value",
+    "shares_storage",
     "swap_parameter",
     "tree_leaves",
+    "traced_value",
     "tree_map_only",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
+
+import torch
+from torch.fx import Node
 
 
 def register_backend(name: str, fn: Callable) -> None:
@@ -19,3 +22,15 @@ def register_backend(name: str, fn: Callable) -> None:
         lookup_backend(name)
     except Exception:  # unknown name, or an entry point that no longer imports
         torch._dynamo.register_backend(name=name)(fn)
+
+
+def traced_value(node: Node) -> Optional[torch.Tensor]:
+    """The fake tensor Dynamo recorded for a node of the graph it hands to a backend (None for
+    non-tensor values). Relies on Dynamo's ``node.meta["example_value"]``."""
+    value = node.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def set_traced_value(node: Node, value: torch.Tensor) -> None:
+    """Record ``value`` as the fake tensor of a node added to a Dynamo graph."""
+    node.meta["example_value"] = value

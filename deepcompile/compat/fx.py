@@ -46,6 +46,17 @@ def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
+def operator_namespace(target: Any) -> Optional[str]:
+    """The namespace of a registered operator a node calls (``"aten"``, ``"transformers"``), as
+    an overload or as its packet (Dynamo's graphs call packets); None for Python callables.
+    Relies on ``OpOverload.namespace`` and ``OpOverloadPacket._qualified_op_name``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0]
+    return None
+
+
 def overload_packet_name(op: Any) -> str:
     """The operator's name without namespace and overload: ``"mm"`` for ``aten.mm.default``.
     Relies on ``OpOverload._overloadpacket``."""

@@ -1,4 +1,4 @@
-"""Multi-tensor kernels: one launch over a list of tensors instead of one per tensor."""
+"""Tensor-level internals: multi-tensor (foreach) kernels, storage identity."""
 
 from __future__ import annotations
 
@@ -16,3 +16,9 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], scalar) -> None:
     """Multiply every tensor in place by ``scalar`` (a number or a 0-dim tensor).
     Relies on ``torch._foreach_mul_``."""
     torch._foreach_mul_(list(tensors), scalar)
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` are views of one storage; works on fake tensors too.
+    Relies on ``torch._C._is_alias_of``."""
+    return bool(torch._C._is_alias_of(a, b))

@@ -2,7 +2,8 @@
 
 For each graph the backend assigns a fresh graph id (monotonic, never reused, unlike
 ``id(gm.graph)``), registers an executor of its ZeRO stage for the parameters the graph takes as
-inputs, and runs aot_autograd with:
+inputs, and runs aot_autograd with (ZeRO-3: after turning outputs that view a partitioned parameter into
+copies, passes/escaping_views.py):
   * a partitioner that first runs Inductor's joint-graph passes (with Inductor inside) and, for
     ZeRO-3, never saves gathered parameters for backward (compiler/partitioner.py);
   * ZeRO-3: a forward compiler that inserts gather/release (passes/zero3.py);
@@ -25,13 +26,15 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
 from deepcompile import compat, debug_checks, runtime
+from deepcompile.compiler.graph_variants import ParameterBoundGraph, binding_of
 from deepcompile.compiler.partitioner import make_partition_fn
+from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
 from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
 from deepcompile.passes.zero3 import insert_gather_release
@@ -60,7 +63,8 @@ class DeepCompileBackend:
     passes and profiling).
     """
 
-    def __init__(self, stage: int, ds_id_of: Dict[int, int], driver: Any, inner: str = "inductor"):
+    def __init__(self, stage: int, ds_id_of: Dict[int, int], driver: Any, inner: str = "inductor",
+                 run_as_leaves: Optional[Callable[[List[torch.Tensor]], List[str]]] = None):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner compiler must be 'inductor' or 'eager', got {inner!r}")
         self.inner = inner
@@ -69,13 +73,31 @@ class DeepCompileBackend:
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
         self._ds_id_of = ds_id_of
+        # ZeRO-3: makes the modules owning the given parameters (or views) run eagerly as leaves,
+        # with gathered parameters; returns their names (zero/stage3.py).
+        self._run_as_leaves = run_as_leaves
+        self._bound_graphs: List[ParameterBoundGraph] = []
         compat.mark_ops_side_effectful()
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
+        pristine = _copy_graph_module(gm)  # compiled again for other parameters (graph_variants.py)
+        compiled = self._compile_graph(gm, example_inputs)
+        bound = ParameterBoundGraph(pristine, compiled, binding_of(example_inputs, self._ds_id_of), self._ds_id_of,
+                                    self._compile_graph, _copy_graph_module)
+        self._bound_graphs.append(bound)
+        return bound
+
+    def _compile_graph(self, gm: GraphModule, example_inputs: List[Any]):
+        """aot_autograd with our compilers, for the parameters found in ``example_inputs``."""
         slots = {i: self._ds_id_of[id(t)] for i, t in enumerate(example_inputs) if id(t) in self._ds_id_of}
         record = GraphRecord(next(self._next_graph_id), slots)
         self.graphs.append(record)
         runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=self.stage)
+        if self.stage == 3:
+            copied = copy_param_views_in_outputs(gm, slots)
+            if copied:
+                log.debug("graph %d returns views of partitioned parameters to eager code, as copies: %s",
+                          record.graph_id, copied)
         partition = make_partition_fn(set(slots) if self.stage == 3 else None, joint_passes=self.inner == "inductor")
         decompositions = None
         if self.inner == "inductor":
@@ -87,12 +109,35 @@ class DeepCompileBackend:
             partition_fn=partition,
             decompositions=decompositions,
         )
-        return backend(gm, example_inputs)
+        try:
+            return backend(gm, example_inputs)
+        except Exception:
+            self._graph_not_compiled(gm, example_inputs)
+            raise
+
+    def _graph_not_compiled(self, gm: GraphModule, example_inputs: List[Any]) -> None:
+        """AOT autograd failed on this graph: Dynamo will split it and run the failing part
+        eagerly (passes/escaping_views.py). Parameters that a custom op of the graph reads would
+        reach that eager code as placeholders, so their modules become leaves first; the
+        traces Dynamo restarts then call them eagerly, with gathered parameters."""
+        if self.stage != 3 or self._run_as_leaves is None:
+            return
+        leaves = self._run_as_leaves(custom_op_parameter_inputs(gm, example_inputs))
+        if leaves:
+            log.warning(
+                "deepcompile: a graph reading partitioned parameters through a custom operator could not be "
+                "compiled (Dynamo runs that operator eagerly); these modules now run eagerly with their "
+                "parameters gathered, as leaves: %s. Mark them with deepcompile.set_leaf_modules to say so "
+                "up front.", ", ".join(leaves))
 
     def detach(self) -> None:
         """Drop every reference to the engine's state (compiler closures may outlive it)."""
         self.driver = None
         self._ds_id_of = {}
+        self._run_as_leaves = None
+        for bound in self._bound_graphs:
+            bound.detach()
+        self._bound_graphs = []
 
     # ---- halves ------------------------------------------------------------------------------
 

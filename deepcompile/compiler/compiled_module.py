@@ -14,7 +14,7 @@ A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -25,8 +25,10 @@ _ACTIVE: Optional["CompiledModule"] = None
 
 
 class CompiledModule:
-    def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int):
+    def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int,
+                 run_as_leaves: Optional[Callable[[List[torch.Tensor]], List[str]]] = None):
         self.module = module
+        self._run_as_leaves = run_as_leaves  # see DeepCompileBackend
         self.stage = stage
         self.driver = driver
         self.rank = rank
@@ -75,7 +77,8 @@ class CompiledModule:
     def backend_for(self, inner: str) -> DeepCompileBackend:
         """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
         if inner not in self._backends:
-            self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner)
+            self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner,
+                                                       run_as_leaves=self._run_as_leaves)
         return self._backends[inner]
 
     @property
@@ -93,6 +96,7 @@ class CompiledModule:
         self._compile_args = None
         self.driver = None
         self._ds_id_of = {}
+        self._run_as_leaves = None
         if _ACTIVE is self:
             _ACTIVE = None
 

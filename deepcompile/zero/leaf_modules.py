@@ -73,6 +73,21 @@ def set_leaf_modules(model: nn.Module, leaves: Sequence[LeafSpec]) -> List[nn.Mo
     return marked
 
 
+def mark_classes_after_initialize(model: nn.Module, classes: Sequence[Type[nn.Module]], scope: LeafScope) -> List[str]:
+    """Make every instance of ``classes`` in ``model`` a leaf now, with ``scope`` installed, on
+    an initialized model (the backend's remedy for parameters that would reach eager code as
+    placeholders). Skips modules that are leaves or lie inside one; returns the names marked."""
+    inside_leaf = {id(m) for leaf in leaves_of(model) for m in leaf.modules()}
+    marked = []
+    for name, module in model.named_modules():
+        if isinstance(module, tuple(classes)) and id(module) not in inside_leaf:
+            module._dc_leaf_scope = scope
+            module.forward = _eager_leaf_forward(module, module.forward)
+            inside_leaf.update(id(m) for m in module.modules())
+            marked.append(name or type(module).__name__)
+    return marked
+
+
 def is_leaf(module: nn.Module) -> bool:
     return "_dc_leaf_scope" in module.__dict__
 

@@ -78,6 +78,12 @@ class Sharding(abc.ABC):
     def eagerly_gathered_params(self) -> List[str]:
         """Names of the parameters that had to be gathered outside compiled graphs."""
 
+    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[str]:
+        """Parameters (or views of them) that eager code outside any graph is about to read:
+        make the modules that own them run eagerly as leaves, with usable parameters; returns
+        the modules' names. Stages whose parameters are always whole have nothing to do."""
+        return []
+
     @abc.abstractmethod
     def persistent_ids(self) -> List[int]:
         """Ids of the parameters the runtime keeps gathered from the start (ZeRO-3's persistence

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import runtime
+from deepcompile import compat, runtime
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
@@ -55,6 +55,18 @@ class Zero3Sharding(Sharding):
         # The master shards (the gather sources) changed in place: gathered copies (persistent
         # ones included) are stale.
         runtime.invalidate_all_gathered()
+
+    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[str]:
+        """Every module class that directly owns a partitioned parameter sharing storage with one
+        of ``readers`` runs as a leaf from now on, all its instances alike (the same code on every
+        rank and in every layer)."""
+        hit = {id(sp.param) for sp in self.params if any(compat.shares_storage(sp.param, t) for t in readers)}
+        classes = {type(owner) for owner in self.module.modules()
+                   if any(id(p) in hit for p in compat.direct_parameters(owner).values() if p is not None)}
+        if not classes:
+            return []
+        return leaf_modules.mark_classes_after_initialize(self.module, sorted(classes, key=lambda c: c.__name__),
+                                                          self.eager.leaf_scope)
 
     def eagerly_gathered_params(self) -> List[str]:
         return [sp.name for sp in self.params if sp.ds_id in self.eager.gathered_ids]
