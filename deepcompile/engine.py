@@ -82,7 +82,7 @@ class Engine:
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
         )
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
-                                              run_as_leaves=self.sharding.run_as_leaves)
+                                              sharding=self.sharding)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
         if config.compile.debug_checks:
             self._ledger = debug_checks.ReductionLedger(self.sharding.param_names())

@@ -368,3 +368,40 @@ def test_foreach_norm_and_foreach_mul_():
     assert [float(n) for n in compat.foreach_norm([a, b])] == [5.0, 10.0]
     compat.foreach_mul_([a, b], torch.tensor(0.5))
     assert a.tolist() == [1.5, 2.0] and b.tolist() == [3.0, 4.0]
+
+
+def test_operator_namespace_of_overloads_packets_and_callables():
+    assert compat.operator_namespace(torch.ops.aten.mm.default) == "aten"
+    assert compat.operator_namespace(torch.ops.aten.mm) == "aten"
+    assert compat.operator_namespace(torch.ops.dc.allgather_param) == "dc"
+    assert compat.operator_namespace(torch.mm) is None
+
+
+def test_shares_storage_on_real_and_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    base = torch.zeros(4, 3)
+    assert compat.shares_storage(base.t(), base) and compat.shares_storage(base[1:], base)
+    assert not compat.shares_storage(base.clone(), base)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(base)
+        assert compat.shares_storage(fake.transpose(0, 1), fake)
+        assert not compat.shares_storage(fake.clone(), fake)
+
+
+def test_traced_value_and_set_traced_value_on_a_dynamo_graph():
+    seen = []
+
+    def backend(gm, example_inputs):
+        nodes = list(gm.graph.nodes)
+        seen.extend((n.op, compat.traced_value(n)) for n in nodes)
+        compat.set_traced_value(nodes[-2], torch.ones(1))
+        seen.append(("set", compat.traced_value(nodes[-2])))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.t() * 2, backend=backend)(torch.ones(2, 3))
+    tensors = {op: v for op, v in seen if v is not None}
+    assert tuple(tensors["placeholder"].shape) == (2, 3) and tuple(tensors["call_function"].shape) == (3, 2)
+    assert seen[-1][1] is not None and seen[-1][1].shape == (1,)
+    assert compat.traced_value(torch.fx.Graph().placeholder("x")) is None

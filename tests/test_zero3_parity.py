@@ -68,6 +68,10 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
         ("lora", "eager", False),
         ("llama", "eager", False),
         ("llama", "inductor", False),
+        # A parameter view returned by one graph and used after a break: a copy of the gathered value.
+        ("view_across_break", "eager", False),
+        # Each half of a broken block's forward is compiled once and called for every block.
+        ("repeated_broken_blocks", "eager", False),
     ],
 )
 def test_zero3_parity(name, backend, expect_eager):
@@ -88,6 +92,17 @@ def test_zero3_qwen2_moe(backend):
     cfg = zero3_config(stage3_param_persistence_threshold=0)
     run_distributed(_parity_body, WORLD, args=("qwen2_moe", backend, 4, cfg), kwargs={"eager_only_in": ".experts."},
                     timeout=900)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_zero3_custom_op_that_cannot_be_compiled(backend):
+    """An expert kernel as a custom op whose backward reads its offsets on the host: no graph
+    containing it compiles, and Dynamo would run it eagerly on placeholder weights (NaN). The
+    expert modules become leaves; the first call, already inside such a module, runs its resumed
+    graph eagerly with gathered weights. Only expert weights are gathered eagerly."""
+    cfg = zero3_config(stage3_param_persistence_threshold=0)
+    run_distributed(_parity_body, WORLD, args=("custom_op_experts", backend, 4, cfg),
+                    kwargs={"eager_only_in": ".experts.", "expect_eager": True}, timeout=600)
 
 
 def _forwards_without_backward_body(ctx, name, backend):

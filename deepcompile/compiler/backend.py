@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -39,6 +40,7 @@ from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
 from deepcompile.passes.zero3 import insert_gather_release
 from deepcompile.scheduling import planner
+from deepcompile.zero.sharding import Sharding
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class DeepCompileBackend:
     """
 
     def __init__(self, stage: int, ds_id_of: Dict[int, int], driver: Any, inner: str = "inductor",
-                 run_as_leaves: Optional[Callable[[List[torch.Tensor]], List[str]]] = None):
+                 sharding: Optional[Sharding] = None):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner compiler must be 'inductor' or 'eager', got {inner!r}")
         self.inner = inner
@@ -73,9 +75,8 @@ class DeepCompileBackend:
         self.graphs: List[GraphRecord] = []
         self._next_graph_id = itertools.count(1)  # 0 serves eager frames
         self._ds_id_of = ds_id_of
-        # ZeRO-3: makes the modules owning the given parameters (or views) run eagerly as leaves,
-        # with gathered parameters; returns their names (zero/stage3.py).
-        self._run_as_leaves = run_as_leaves
+        # For code that must run eagerly: leaves, graphs run with gathered parameters (ZeRO-3).
+        self._sharding = sharding
         self._bound_graphs: List[ParameterBoundGraph] = []
         compat.mark_ops_side_effectful()
 
@@ -112,29 +113,46 @@ class DeepCompileBackend:
         try:
             return backend(gm, example_inputs)
         except Exception:
-            self._graph_not_compiled(gm, example_inputs)
-            raise
+            fallback = self._graph_not_compiled(gm, slots, example_inputs)
+            if fallback is None:
+                raise
+            return fallback
 
-    def _graph_not_compiled(self, gm: GraphModule, example_inputs: List[Any]) -> None:
-        """AOT autograd failed on this graph: Dynamo will split it and run the failing part
-        eagerly (passes/escaping_views.py). Parameters that a custom op of the graph reads would
-        reach that eager code as placeholders, so their modules become leaves first; the
-        traces Dynamo restarts then call them eagerly, with gathered parameters."""
-        if self.stage != 3 or self._run_as_leaves is None:
-            return
-        leaves = self._run_as_leaves(custom_op_parameter_inputs(gm, example_inputs))
-        if leaves:
-            log.warning(
-                "deepcompile: a graph reading partitioned parameters through a custom operator could not be "
-                "compiled (Dynamo runs that operator eagerly); these modules now run eagerly with their "
-                "parameters gathered, as leaves: %s. Mark them with deepcompile.set_leaf_modules to say so "
-                "up front.", ", ".join(leaves))
+    def _graph_not_compiled(self, gm: GraphModule, slots: Dict[int, int], example_inputs: List[Any]):
+        """aot_autograd failed on this graph. Dynamo would split it and run the failing part
+        eagerly, where parameters that a custom op of the graph reads are placeholders
+        (passes/escaping_views.py). So their modules become leaves: the traces Dynamo restarts
+        call them eagerly, with gathered parameters. If such a module is running right now (this
+        graph is part of its forward, resumed after a graph break), its current call cannot
+        become a leaf call: this graph then runs eagerly, its parameters gathered. Returns that
+        runner, or None to let Dynamo split the graph."""
+        if self.stage != 3 or self._sharding is None:
+            return None
+        leaves = self._sharding.run_as_leaves(custom_op_parameter_inputs(gm, example_inputs))
+        if not leaves:
+            return None
+        log.warning(
+            "deepcompile: a graph reading partitioned parameters through a custom operator could not be "
+            "compiled (Dynamo runs that operator eagerly); these modules now run eagerly with their "
+            "parameters gathered, as leaves: %s. Mark them with deepcompile.set_leaf_modules to say so "
+            "up front.", ", ".join(name for name, _ in leaves))
+        if not _running([module for _, module in leaves]):
+            return None
+        unbound = [i for i, t in enumerate(example_inputs)
+                   if i not in slots and isinstance(t, torch.Tensor)
+                   and any(compat.shares_storage(t, example_inputs[j]) for j in slots)]
+        if unbound:
+            raise RuntimeError(
+                f"deepcompile: graph {self.graphs[-1].graph_id} cannot be compiled and takes views of partitioned "
+                f"parameters made outside compiled code (inputs {unbound}); run the module that makes them as a "
+                "leaf: deepcompile.set_leaf_modules(model, [ModuleClass]) before deepcompile.initialize")
+        return self._sharding.run_graph_eagerly(gm, slots)
 
     def detach(self) -> None:
         """Drop every reference to the engine's state (compiler closures may outlive it)."""
         self.driver = None
         self._ds_id_of = {}
-        self._run_as_leaves = None
+        self._sharding = None
         for bound in self._bound_graphs:
             bound.detach()
         self._bound_graphs = []
@@ -185,6 +203,18 @@ class DeepCompileBackend:
         if self.inner == "eager":
             return compat.boxed(gm.forward)
         return compat.inductor_compile(gm, inputs, is_backward=is_backward)
+
+
+def _running(modules: List[Any]) -> bool:
+    """True if a forward of one of ``modules`` is on the Python stack (a frame whose ``self``
+    is the module)."""
+    wanted = {id(m) for m in modules}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame.f_locals.get("self")) in wanted:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _debug_check_placeholders(gm: GraphModule, params: Dict[Node, int], phase: str) -> None:

@@ -14,21 +14,22 @@ A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
+from deepcompile.zero.sharding import Sharding
 
 _ACTIVE: Optional["CompiledModule"] = None
 
 
 class CompiledModule:
     def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int,
-                 run_as_leaves: Optional[Callable[[List[torch.Tensor]], List[str]]] = None):
+                 sharding: Optional[Sharding] = None):
         self.module = module
-        self._run_as_leaves = run_as_leaves  # see DeepCompileBackend
+        self._sharding = sharding  # see DeepCompileBackend
         self.stage = stage
         self.driver = driver
         self.rank = rank
@@ -78,7 +79,7 @@ class CompiledModule:
         """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
         if inner not in self._backends:
             self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner,
-                                                       run_as_leaves=self._run_as_leaves)
+                                                       sharding=self._sharding)
         return self._backends[inner]
 
     @property
@@ -96,7 +97,7 @@ class CompiledModule:
         self._compile_args = None
         self.driver = None
         self._ds_id_of = {}
-        self._run_as_leaves = None
+        self._sharding = None
         if _ACTIVE is self:
             _ACTIVE = None
 

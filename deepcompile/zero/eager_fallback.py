@@ -91,15 +91,17 @@ class EagerGatherHooks:
             if sp is None:
                 continue
             originals[name] = p
-            if torch.is_grad_enabled() and p.requires_grad:
-                full = _GatherForEager.apply(p, sp.ds_id)
-            else:
-                with torch.no_grad():
-                    full = _GatherForEager.apply(p, sp.ds_id)
-            compat.swap_parameter(module, name, full)
-            self.gathered_ids.add(sp.ds_id)
+            compat.swap_parameter(module, name, self._gathered(p, sp.ds_id))
         if originals:
             module.__dict__.setdefault("_dc_originals", []).append(originals)
+
+    def _gathered(self, p: torch.Tensor, ds_id: int) -> torch.Tensor:
+        """The full parameter; its gradient (if it trains here) is reduced in the backward."""
+        self.gathered_ids.add(ds_id)
+        if torch.is_grad_enabled() and p.requires_grad:
+            return _GatherForEager.apply(p, ds_id)
+        with torch.no_grad():
+            return _GatherForEager.apply(p, ds_id)
 
     def _restore(self, module: nn.Module, args, output) -> None:
         stack = module.__dict__.get("_dc_originals")
@@ -127,6 +129,19 @@ class EagerGatherHooks:
         owners = [(owner, name, p) for owner in leaf.modules() for name, p in compat.direct_parameters(owner).items()
                   if p is not None and id(p) in full_of]
         return leaf_modules.substituted(owners, [full_of[id(p)] for _, _, p in owners])
+
+    def graph_runner(self, gm, param_slots: Dict[int, int]):
+        """Runs a captured graph eagerly, each parameter input at ``param_slots`` (input index ->
+        ds id) replaced by its gathered copy, gathered and reduced like a module's in eager code."""
+        slots = sorted(param_slots.items())
+
+        def run(*args):
+            args = list(args)
+            for index, ds_id in slots:
+                args[index] = self._gathered(args[index], ds_id)
+            return gm(*args)
+
+        return run
 
     def remove(self) -> None:
         for h in self._handles:

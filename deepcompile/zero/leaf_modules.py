@@ -73,10 +73,12 @@ def set_leaf_modules(model: nn.Module, leaves: Sequence[LeafSpec]) -> List[nn.Mo
     return marked
 
 
-def mark_classes_after_initialize(model: nn.Module, classes: Sequence[Type[nn.Module]], scope: LeafScope) -> List[str]:
+def mark_classes_after_initialize(model: nn.Module, classes: Sequence[Type[nn.Module]],
+                                  scope: LeafScope) -> List[Tuple[str, nn.Module]]:
     """Make every instance of ``classes`` in ``model`` a leaf now, with ``scope`` installed, on
     an initialized model (the backend's remedy for parameters that would reach eager code as
-    placeholders). Skips modules that are leaves or lie inside one; returns the names marked."""
+    placeholders). Skips modules that are leaves or lie inside one; returns (name, module) of
+    each module marked."""
     inside_leaf = {id(m) for leaf in leaves_of(model) for m in leaf.modules()}
     marked = []
     for name, module in model.named_modules():
@@ -84,7 +86,7 @@ def mark_classes_after_initialize(model: nn.Module, classes: Sequence[Type[nn.Mo
             module._dc_leaf_scope = scope
             module.forward = _eager_leaf_forward(module, module.forward)
             inside_leaf.update(id(m) for m in module.modules())
-            marked.append(name or type(module).__name__)
+            marked.append((name or type(module).__name__, module))
     return marked
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -78,11 +78,17 @@ class Sharding(abc.ABC):
     def eagerly_gathered_params(self) -> List[str]:
         """Names of the parameters that had to be gathered outside compiled graphs."""
 
-    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[str]:
+    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[Tuple[str, Any]]:
         """Parameters (or views of them) that eager code outside any graph is about to read:
         make the modules that own them run eagerly as leaves, with usable parameters; returns
-        the modules' names. Stages whose parameters are always whole have nothing to do."""
+        (name, module) of each. Stages whose parameters are always whole have nothing to do."""
         return []
+
+    def run_graph_eagerly(self, gm: Any, param_slots: Dict[int, int]) -> Callable[..., Any]:
+        """A callable running a captured (Dynamo) graph eagerly, with the parameters at
+        ``param_slots`` (input index -> ds id) made usable first; for a graph that cannot be
+        compiled inside a module that only just became a leaf (its current call runs on)."""
+        return gm
 
     @abc.abstractmethod
     def persistent_ids(self) -> List[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class Zero3Sharding(Sharding):
         # ones included) are stale.
         runtime.invalidate_all_gathered()
 
-    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[str]:
+    def run_as_leaves(self, readers: List[torch.Tensor]) -> List[Tuple[str, nn.Module]]:
         """Every module class that directly owns a partitioned parameter sharing storage with one
         of ``readers`` runs as a leaf from now on, all its instances alike (the same code on every
         rank and in every layer)."""
@@ -67,6 +67,9 @@ class Zero3Sharding(Sharding):
             return []
         return leaf_modules.mark_classes_after_initialize(self.module, sorted(classes, key=lambda c: c.__name__),
                                                           self.eager.leaf_scope)
+
+    def run_graph_eagerly(self, gm, param_slots: Dict[int, int]):
+        return self.eager.graph_runner(gm, param_slots)
 
     def eagerly_gathered_params(self) -> List[str]:
         return [sp.name for sp in self.params if sp.ds_id in self.eager.gathered_ids]

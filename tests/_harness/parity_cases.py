@@ -95,6 +95,124 @@ class LoRAMLP(MLP):
         return ((self.fc2(torch.nn.functional.gelu(h)) - y) ** 2).mean()
 
 
+class ViewAcrossBreakMLP(MLP):
+    """A view of a parameter made before a graph break and used after it: the first graph
+    returns the view, which aot_autograd would re-create from the (placeholder) parameter."""
+
+    def forward(self, x, y):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        w = self.fc2.weight.t()
+        torch._dynamo.graph_break()
+        return ((h @ w + self.fc2.bias - y) ** 2).mean()
+
+
+class _BrokenBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(7, 7)
+        self.outer = nn.Linear(7, 7)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        torch._dynamo.graph_break()
+        return x + self.outer(h)
+
+
+class RepeatedBrokenBlocks(nn.Module):
+    """Identical blocks with a graph break inside each: Dynamo compiles each half of the block's
+    forward once and calls that code for every block, with that block's parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_BrokenBlock() for _ in range(3)])
+        self.head = nn.Linear(7, 5)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return ((self.head(x) - y) ** 2).mean()
+
+
+# A grouped matmul as a custom operator whose backward reads the group offsets on the host, like
+# transformers' grouped-mm expert fallback (5.17): aot_autograd cannot trace that backward, so a
+# graph containing the op cannot be compiled and Dynamo runs the op eagerly between graphs.
+@torch.library.custom_op("dc_parity::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[expert]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x, weight, offsets):
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, weight, offsets = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.offsets = offsets
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+    start = 0
+    for expert, end in enumerate(ctx.offsets.tolist()):
+        if end > start:
+            grad_x[start:end] = grad[start:end] @ weight[expert].t()
+            grad_w[expert] = x[start:end].t() @ grad[start:end]
+        start = end
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+class _GroupedExperts(nn.Module):
+    def __init__(self, experts=3, dim=7):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, dim, dim) * 0.3)  # (expert, out, in)
+
+    def forward(self, h, expert_ids):
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.weight.shape[0])
+        offsets = torch.cumsum(counts, 0)
+        out = grouped_mm(h[order], self.weight.transpose(-2, -1), offsets)
+        return torch.empty_like(out).index_copy(0, order, out)
+
+
+class _ExpertLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(7, 3)
+        self.experts = _GroupedExperts()
+
+    def forward(self, h):
+        return h + self.experts(h, self.router(h).argmax(-1))
+
+
+class CustomOpExpertsMLP(nn.Module):
+    """Two routed expert layers computed by ``grouped_mm`` (two layers: the same frames run
+    for both, with different parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 7)
+        self.layers = nn.ModuleList([_ExpertLayer(), _ExpertLayer()])
+        self.fc2 = nn.Linear(7, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x))
+        for layer in self.layers:
+            h = layer(h)
+        return ((self.fc2(h) - y) ** 2).mean()
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -138,6 +256,9 @@ class Qwen2MoeLoss(LlamaLoss):
 MODELS: Dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "graph_break": GraphBreakMLP,
+    "view_across_break": ViewAcrossBreakMLP,
+    "repeated_broken_blocks": RepeatedBrokenBlocks,
+    "custom_op_experts": CustomOpExpertsMLP,
     "disabled_forward": DisabledForwardMLP,
     "partly_disabled": PartlyDisabledMLP,
     "tied": TiedEmbeddingLM,
