@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deepcompile import compat
+
 from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import (GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_engine,
                           train_reference)
@@ -71,7 +73,10 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
         # A parameter view returned by one graph and used after a break: a copy of the gathered value.
         ("view_across_break", "eager", False),
         # Each half of a broken block's forward is compiled once and called for every block.
-        ("repeated_broken_blocks", "eager", False),
+        pytest.param("repeated_broken_blocks", "eager", False, marks=pytest.mark.xfail(
+            compat.TORCH_VERSION < (2, 12), strict=True,
+            reason="torch 2.11 skips the frame with the block loop (a graph break in a loop) and the eager "
+                   "head then reads its placeholder: open, NOTES.md 'Skipped loop frames on torch 2.11'")),
     ],
 )
 def test_zero3_parity(name, backend, expect_eager):
