@@ -405,3 +405,57 @@ def test_traced_value_and_set_traced_value_on_a_dynamo_graph():
     assert tuple(tensors["placeholder"].shape) == (2, 3) and tuple(tensors["call_function"].shape) == (3, 2)
     assert seen[-1][1] is not None and seen[-1][1].shape == (1,)
     assert compat.traced_value(torch.fx.Graph().placeholder("x")) is None
+
+
+def test_never_compile_as_frame_keeps_a_function_eager_but_inlinable():
+    compiled_graphs = []
+
+    def eager_only():
+        return torch.compiler.is_compiling()
+
+    def counting_backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    compat.never_compile_as_frame(eager_only)
+    torch._dynamo.reset()
+    # As a frame of its own (here: the compiled function itself) it runs eagerly.
+    assert torch.compile(eager_only, backend=counting_backend)() is False
+    assert compiled_graphs == []
+    # Inlined into a traced caller it is still traced (is_compiling true inside the graph).
+    traced = torch.compile(lambda x: x * 2 if eager_only() else x, backend=counting_backend, fullgraph=True)
+    assert torch.equal(traced(torch.ones(1)), torch.full((1,), 2.0))
+    assert len(compiled_graphs) == 1
+
+
+def test_will_compile_frame_inside_and_outside_compiled_code():
+    seen = {}
+
+    def user_function():
+        return None
+
+    @torch.compiler.disable
+    def disabled():
+        return None
+
+    def probe():
+        seen["user"] = compat.will_compile_frame(user_function)
+        seen["disabled"] = compat.will_compile_frame(disabled)
+        seen["torch_module"] = compat.will_compile_frame(torch.nn.Linear(1, 1).forward)
+        hooked = torch.nn.Linear(1, 1)
+        hooked.register_forward_pre_hook(lambda m, a: None)
+        seen["torch_module_with_hook"] = compat.will_compile_frame(hooked.forward)
+
+    compat.never_compile_as_frame(probe, recursive=False)  # recursive would deactivate Dynamo inside
+    assert compat.will_compile_frame(user_function) is False  # no compile region
+
+    def region(x):
+        torch._dynamo.graph_break()
+        probe()
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(region, backend="eager")(torch.ones(1))
+    # torch 2.12 compiles a torch module's forward as a frame when the module has hooks; 2.11 not.
+    assert seen == {"user": True, "disabled": False, "torch_module": False,
+                    "torch_module_with_hook": compat.TORCH_VERSION >= (2, 12)}

@@ -25,12 +25,6 @@ BF16_TOL = dict(rtol=3e-2, atol=3e-2)
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
 
 
-_TORCH_211_SKIPPED_FRAMES = pytest.mark.xfail(
-    compat.TORCH_VERSION < (2, 12), strict=False,
-    reason="torch 2.11 compiles our eager gather hook as a frame of its own (a no-op there) when a module is "
-           "called from a frame it skipped: open, NOTES.md 'Hooks compiled as frames on torch 2.11'")
-
-
 def zero3_config(**overrides):
     cfg = {
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 10},
@@ -79,7 +73,8 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
         # A parameter view returned by one graph and used after a break: a copy of the gathered value.
         ("view_across_break", "eager", False),
         # Each half of a broken block's forward is compiled once and called for every block.
-        pytest.param("repeated_broken_blocks", "eager", False, marks=_TORCH_211_SKIPPED_FRAMES),
+        # (torch 2.11 runs the frame with the block loop eagerly: the head is gathered eagerly there.)
+        ("repeated_broken_blocks", "eager", None),
     ],
 )
 def test_zero3_parity(name, backend, expect_eager):
@@ -87,7 +82,6 @@ def test_zero3_parity(name, backend, expect_eager):
                     timeout=600)
 
 
-@_TORCH_211_SKIPPED_FRAMES
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_zero3_qwen2_moe(backend):
     """transformers' Qwen2-MoE, nothing persistent. Under Inductor its expert kernel (a custom op
@@ -97,22 +91,25 @@ def test_zero3_qwen2_moe(backend):
     With transformers versions whose expert kernel has a data-dependent backward (5.17: the
     graph cannot be compiled and Dynamo runs the kernel eagerly) the expert modules must become
     leaves gathered eagerly (and only they); with versions that trace one graph nothing is
-    gathered eagerly. Both must train like the single-process reference."""
+    gathered eagerly. Both must train like the single-process reference. (torch 2.11 runs some
+    frames with loops eagerly, and the embedding called from them.)"""
     cfg = zero3_config(stage3_param_persistence_threshold=0)
-    run_distributed(_parity_body, WORLD, args=("qwen2_moe", backend, 4, cfg), kwargs={"eager_only_in": ".experts."},
+    only = ".experts." if compat.TORCH_VERSION >= (2, 12) else None
+    run_distributed(_parity_body, WORLD, args=("qwen2_moe", backend, 4, cfg), kwargs={"eager_only_in": only},
                     timeout=900)
 
 
-@_TORCH_211_SKIPPED_FRAMES
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_zero3_custom_op_that_cannot_be_compiled(backend):
     """An expert kernel as a custom op whose backward reads its offsets on the host: no graph
     containing it compiles, and Dynamo would run it eagerly on placeholder weights (NaN). The
     expert modules become leaves; the first call, already inside such a module, runs its resumed
-    graph eagerly with gathered weights. Only expert weights are gathered eagerly."""
+    graph eagerly with gathered weights. Only expert weights are gathered eagerly (torch 2.11
+    also runs the frame with the layer loop eagerly, and the Linear layers called from it)."""
     cfg = zero3_config(stage3_param_persistence_threshold=0)
+    only = ".experts." if compat.TORCH_VERSION >= (2, 12) else None
     run_distributed(_parity_body, WORLD, args=("custom_op_experts", backend, 4, cfg),
-                    kwargs={"eager_only_in": ".experts.", "expect_eager": True}, timeout=600)
+                    kwargs={"eager_only_in": only, "expect_eager": True}, timeout=600)
 
 
 def _forwards_without_backward_body(ctx, name, backend):

@@ -7,7 +7,8 @@ one, so a torch upgrade that moves something fails there, in a test named after 
 * ``aot``: building the aot_autograd backend, the partitioner, and the conventions of the graphs
   aot_autograd hands over (input order, names of saved inputs, gradient positions, recompute tags);
 * ``inductor``: the inner compiler, its decompositions and joint-graph passes, buffer protection;
-* ``dynamo``: registering the ``"deepcompile"`` backend name, the fake values of Dynamo's graphs;
+* ``dynamo``: registering the ``"deepcompile"`` backend name, the fake values of Dynamo's graphs,
+  which frames Dynamo compiles;
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
 * ``modules``: swapping a module's registered parameter for a gathered tensor;
 * ``tensors``: multi-tensor (foreach) kernels, storage identity.
@@ -28,7 +29,13 @@ from deepcompile.compat.aot import (
     min_cut_partition,
     saved_forward_inputs,
 )
-from deepcompile.compat.dynamo import register_backend, set_traced_value, traced_value
+from deepcompile.compat.dynamo import (
+    never_compile_as_frame,
+    register_backend,
+    set_traced_value,
+    traced_value,
+    will_compile_frame,
+)
 from deepcompile.compat.fx import (
     eager_input_vals,
     is_op_overload,
@@ -70,6 +77,7 @@ __all__ = [
     "mark_must_recompute",
     "mark_ops_side_effectful",
     "min_cut_partition",
+    "never_compile_as_frame",
     "operator_namespace",
     "overload_packet_name",
     "protect_runtime_buffers_in_inductor",
@@ -83,4 +91,5 @@ __all__ = [
     "tree_leaves",
     "traced_value",
     "tree_map_only",
+    "will_compile_frame",
 ]

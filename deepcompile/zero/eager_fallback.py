@@ -83,8 +83,14 @@ class EagerGatherHooks:
                 self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
 
     def _gather(self, module: nn.Module, args) -> None:
-        if torch.compiler.is_compiling():
+        # Traced into a compiled caller, or about to be compiled as a frame of its own: the graph
+        # gathers. Otherwise the forward runs eagerly, here (torch 2.11 runs a module called from
+        # a frame it skipped this way: its forward is torch's own code, not compiled as a frame).
+        if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward):
             return
+        self._gather_now(module)
+
+    def _gather_now(self, module: nn.Module) -> None:
         originals = {}
         for name, p in list(compat.direct_parameters(module).items()):
             sp = self._by_param.get(id(p)) if p is not None else None
@@ -147,3 +153,11 @@ class EagerGatherHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+# The hooks run for real whenever a module is called eagerly: never compiled as frames of their
+# own, where torch.compiler.is_compiling() would be true and turn them into no-ops; traced
+# callers still inline them.
+compat.never_compile_as_frame(EagerGatherHooks._gather, recursive=False)  # must see whether Dynamo is active
+compat.never_compile_as_frame(EagerGatherHooks._gather_now)
+compat.never_compile_as_frame(EagerGatherHooks._restore)
