@@ -46,7 +46,6 @@ class ParameterBoundGraph:
         self._copy_graph = copy_graph
         self._first_binding = binding
         self._variants: Dict[Tuple, Callable] = {binding: first}
-        self._shape_sensitive = False
 
     def __call__(self, *args: Any):
         if self._compile_variant is None:
@@ -69,10 +68,6 @@ class ParameterBoundGraph:
         if any(isinstance(a, (int, torch.SymInt)) for a in args):
             key += tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
         return key
-
-    @property
-    def variant_count(self) -> int:
-        return len(self._variants)
 
     def detach(self) -> None:
         self._variants = {}

@@ -62,19 +62,11 @@ def copy_param_views_in_outputs(gm: GraphModule, param_indices: Iterable[int]) -
             copied.append(value.name)
         return copies[value]
 
-    output.args = tuple(_map(replace, a) for a in output.args)
+    output.args = compat.tree_map_only(Node, replace, output.args)
     if copied:
         gm.graph.lint()
         gm.recompile()
     return copied
-
-
-def _map(fn, value):
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return fn(value)
 
 
 # Namespaces of the operators torch and deepcompile trace through; any other registered operator
