@@ -300,6 +300,45 @@ def _no_offload(value: Any, key: str) -> None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadOptimizer:
+    """``zero_optimization.offload_optimizer`` with ``device: "cpu"`` (deepcompile/offload/)."""
+
+    device: str = "cpu"
+    pin_memory: bool = False  # DeepSpeed's default
+    # The least fraction of the offloadable optimizer-state bytes kept on the host (DeepSpeed's
+    # "ratio", default 1.0: all of it); the memory budget may require more.
+    ratio: float = 1.0
+
+
+# Keys of offload_optimizer that only NVMe offload reads (validated, no effect with device "cpu").
+_NVME_ONLY = {"nvme_path": lambda v, k: _optional(_string)(v, k), "buffer_count": _integer(1),
+              "pipeline_read": _bool, "pipeline_write": _bool, "fast_init": _bool}
+
+
+def _offload_optimizer(value: Any, key: str) -> Optional[OffloadOptimizer]:
+    """Absent, null or ``device: "none"``: None. ``device: "cpu"``: optimizer-state offload to
+    host memory. ``"nvme"``: refused until implemented."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be an object or null, got {_show(value)}")
+    _check_keys(value, _OFFLOAD_KEYS["offload_optimizer"], key)
+    device = value.get("device", "none")
+    if device is None or device == "none":
+        return None
+    if device == "nvme":
+        raise ConfigError([(f"{key}.device", f"{key}.device is 'nvme': NVMe offload is not implemented; use "
+                                              "\"cpu\" (host memory) or \"none\"")])
+    if device != "cpu":
+        raise ConfigError([(f"{key}.device", f"{key}.device must be \"none\", \"cpu\" or \"nvme\", got {_show(device)}")])
+    for name, check in _NVME_ONLY.items():
+        if name in value:
+            check(value[name], f"{key}.{name}")
+    return OffloadOptimizer(device="cpu", pin_memory=_bool(value.get("pin_memory", False), f"{key}.pin_memory"),
+                            ratio=_number(0.0, 1.0, low_open=True)(value.get("ratio", 1.0), f"{key}.ratio"))
+
+
 def _section(cls: type) -> Check:
     def check(value: Any, key: str):
         if isinstance(value, cls):
@@ -448,8 +487,8 @@ _RS = "ZeRO-1/2 gradients are always reduced to the ranks owning their partition
       "never all-reduced"
 _AG_PARTITIONS = "after the optimizer step the updated partitions are always all-gathered " \
                  "(in chunks of allgather_bucket_size elements)"
-_RR = "round-robin gradient partitioning parallelises gradient copies to the CPU under offload_optimizer, " \
-      "which is not supported"
+_RR = "round-robin gradient partitioning parallelises gradient copies to the CPU for DeepSpeed's CPU-side " \
+      "optimizer step; deepcompile's offload_optimizer steps on the device and copies no gradient to the host"
 _MEL = "DeepSpeed's memory-efficient linear autograd function is not implemented; the ZeRO-3 graph pass " \
        "gathers weights for the backward itself"
 _LIMIT = ("accepted when it cannot bind for the model (at least {what}); deepcompile decides what stays gathered "
@@ -502,7 +541,9 @@ class ZeroConfig(_Section):
         "ZeRO-3 (inert under ZeRO-1/2): the optimizer step runs over all of this rank's master shards at once; "
         "accepted when that is one sub-group (at least ceil(parameter count / world size) elements), a smaller value is refused.")
     offload_param: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
-    offload_optimizer: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
+    offload_optimizer: Optional[OffloadOptimizer] = _key(
+        _offload_optimizer, None, "Optimizer-state offload to host memory: {\"device\": \"cpu\", \"pin_memory\": "
+        "bool, \"ratio\": least fraction offloaded (default 1.0)}; \"none\"/null: off; \"nvme\": refused. All stages.")
     cpu_offload: bool = _key(_off_only("ZeRO-Offload (the deprecated cpu_offload switch)"), False,
                              "Deprecated DeepSpeed switch for offload_optimizer to the CPU: only false.")
     memory_efficient_linear: bool = _key(_only(False, _MEL), False, "Only false: " + _MEL + ".")
@@ -521,7 +562,8 @@ class CompileConfig(_Section):
                                           "Bytes; tensors at least this large are freed by free_activation.")
     offload_activation: bool = _key(_off_only("activation offload"), False, "Only false is accepted.")
     offload_activation_pin_memory: bool = _key(_bool, True, INFO + " (Belongs to offload_activation.)")
-    offload_opt_states: bool = _key(_off_only("optimizer-state offload"), False, "Only false is accepted.")
+    offload_opt_states: bool = _key(_bool, False, "Keep the optimizer state (and ZeRO-1/2 fp32 master partitions) in "
+                                    "pinned host memory as far as the memory budget requires; reloaded for the step.")
     offload_parameters: bool = _key(_off_only("parameter offload"), False, "Only false is accepted.")
     symmetric_memory: bool = _key(_off_only("symmetric memory"), False, "Only false is accepted.")
     double_buffer: bool = _key(_bool, True, "Double-buffered gradient reduce buckets.")
@@ -887,7 +929,8 @@ class Config(_Section):
         _bool, False, f"false: an optimizer object other than {_UNTESTED} (the ones deepcompile's tests cover) is "
         "refused; true: any torch.optim.Optimizer is accepted.")
     zero_force_ds_cpu_optimizer: bool = _key(
-        _bool, True, "Applies only with offload_optimizer, which is refused: no effect by design, any value.")
+        _bool, True, "No effect by design, any value: with offload_optimizer the optimizer state is reloaded and the "
+        "step runs on the device with the user's optimizer; no CPU optimizer is substituted.")
     activation_checkpointing: ActivationCheckpointingConfig = _key(
         _section(ActivationCheckpointingConfig), factory=ActivationCheckpointingConfig,
         doc="DeepSpeed's activation-checkpointing API: only its off settings.")

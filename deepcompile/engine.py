@@ -18,6 +18,7 @@ import torch.nn as nn
 from deepcompile import debug_checks, optim_builder, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
+from deepcompile.offload import optimizer_state_offload
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
@@ -68,6 +69,8 @@ class Engine:
         # The torch optimizer itself (ZeRO-3 wraps it): what schedules and get_lr() act on.
         self.basic_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.lr_scheduler = optim_builder.configure_scheduler(self.basic_optimizer, config, lr_scheduler)
+        # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
+        self.offload = optimizer_state_offload(config, self.sharding, self.device, self.group)
         self.step_report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.rank, self.device)
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
@@ -81,6 +84,8 @@ class Engine:
             accumulation_steps=self.gradient_accumulation_steps,
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
         )
+        if self.offload is not None:
+            self.scheduler.report.offload = self.offload.report
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
@@ -113,6 +118,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.sharding.start_backward(self.is_gradient_accumulation_boundary())
+        if self.offload is not None:
+            self.offload.before_backward(self.is_gradient_accumulation_boundary())
         self.step_report.start("backward")
         try:
             (loss / self.gradient_accumulation_steps).backward()
@@ -133,7 +140,11 @@ class Engine:
         if self._ledger is not None:
             self._check_window()
         self.step_report.start("step")
+        if self.offload is not None:
+            self.offload.before_step()
         self.sharding.step(self.config.gradient_clipping)
+        if self.offload is not None:
+            self.offload.after_step()
         # As DeepSpeed: the schedule advances once per optimizer step, at the accumulation boundary.
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -157,7 +168,8 @@ class Engine:
         debug_checks.check_finite("reduced gradients", grads)
 
     def schedule_report(self) -> Dict[str, Any]:
-        """What the profile-guided passes decided at the last schedule switch ({} before any)."""
+        """What the profile-guided passes decided at the last schedule switch ({} before any), and
+        with optimizer-state offload on, what it offloads (``optimizer_state_offload``)."""
         return self.scheduler.report.as_dict()
 
     # ---- state --------------------------------------------------------------------------------
@@ -177,6 +189,8 @@ class Engine:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut
         # every path from it to the engine's tensors.
         self.scheduler.close()
+        if self.offload is not None:
+            self.offload.close()
         self.compiled_module.close()
         self._compiled = None
         self.sharding.close()

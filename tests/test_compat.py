@@ -389,6 +389,18 @@ def test_shares_storage_on_real_and_fake_tensors():
         assert not compat.shares_storage(fake.clone(), fake)
 
 
+def test_storage_id_follows_the_storage_through_views_and_resizes():
+    base = torch.arange(12.0)
+    key = compat.storage_id(base)
+    assert compat.storage_id(base[3:7]) == key and compat.storage_id(base.view(3, 4).t()) == key
+    other = base.clone()
+    assert compat.storage_id(other) != key
+    base.untyped_storage().resize_(0)  # what optimizer-state offload does to a device copy
+    assert compat.storage_id(base) == key
+    base.untyped_storage().resize_(12 * 4)
+    assert compat.storage_id(base) == key and compat.storage_id(other) != key
+
+
 def test_traced_value_and_set_traced_value_on_a_dynamo_graph():
     seen = []
 

@@ -54,7 +54,7 @@ from deepcompile.compat.inductor import (
     protect_runtime_buffers_in_inductor,
 )
 from deepcompile.compat.modules import direct_parameters, swap_parameter
-from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage
+from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -87,6 +87,7 @@ __all__ = [
     "set_eager_input_vals",
     "set_traced_value",
     "shares_storage",
+    "storage_id",
     "swap_parameter",
     "tree_leaves",
     "traced_value",

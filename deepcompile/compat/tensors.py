@@ -22,3 +22,10 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if ``a`` and ``b`` are views of one storage; works on fake tensors too.
     Relies on ``torch._C._is_alias_of``."""
     return bool(torch._C._is_alias_of(a, b))
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """A key for the storage ``t`` views: equal for every view of one storage, stable while the
+    storage is resized (offload frees a storage's bytes and re-allocates them in place), distinct
+    for distinct live storages. Relies on ``UntypedStorage._cdata`` (the StorageImpl address)."""
+    return int(t.untyped_storage()._cdata)

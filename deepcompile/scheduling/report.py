@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from deepcompile.profiling.graph_profiler import GraphProfile
 
@@ -30,6 +30,17 @@ def _mib(n: Optional[int]) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def _offload_lines(o: Dict[str, Any]) -> List[str]:
+    lines = [f"optimizer-state offload ({o['enabled_by']}): {_mib(o['offloaded_bytes'])} on the host, "
+             f"{_mib(o['resident_bytes'])} resident, {_mib(o['reloaded_during_backward_bytes'])} reloaded during the "
+             f"backward; budget {o['budget']}" + (f" = {_mib(o['budget_bytes'])}" if o['budget_bytes'] else "")
+             + (" (not planned yet: the plan is made after the first optimizer step)"
+                if o["planned_after_step"] is None else "")]
+    lines += [f"    {t['tensor']}: {_mib(t['bytes'])}, " + (f"offloaded, reloaded {t['reload']}" if t["offloaded"]
+                                                          else "resident") for t in o["tensors"]]
+    return lines
 
 
 def _key(signature: Tuple) -> str:
@@ -48,6 +59,8 @@ class ScheduleReport:
         self.current: Optional[Dict[str, Any]] = None
         self.history = []
         self.verify_profiles: Dict[Tuple, GraphProfile] = {}
+        # Set by the engine when optimizer-state offload is on: returns its plan (a dict).
+        self.offload: Optional[Callable[[], Dict[str, Any]]] = None
 
     def planned(self, step: int, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
                 prefetch_plans: Dict[Tuple, Any]) -> None:
@@ -102,16 +115,19 @@ class ScheduleReport:
     # ---- output -------------------------------------------------------------------------------
 
     def as_dict(self) -> Dict[str, Any]:
-        if self.current is None:
-            return {}
-        out = dict(self.current)
-        out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
+        out: Dict[str, Any] = {}
+        if self.current is not None:
+            out = dict(self.current)
+            out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
+        if self.offload is not None:
+            out["optimizer_state_offload"] = self.offload()
         return out
 
     def text(self) -> str:
         r = self.as_dict()
-        if not r:
-            return "deepcompile schedule: no switch yet"
+        offload = [] if self.offload is None else _offload_lines(r["optimizer_state_offload"])
+        if "step" not in r:
+            return "\n".join(["deepcompile schedule: no switch yet"] + offload)
         lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]
         for g in r["graphs"]:
             lines.append(
@@ -128,7 +144,7 @@ class ScheduleReport:
                      + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
         for p in r["persistent"]:
             lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
-        return "\n".join(lines)
+        return "\n".join(lines + offload)
 
     def _emit(self) -> None:
         cfg = self.compile_config

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -54,6 +54,19 @@ class Sharding(abc.ABC):
     stage: int
     optimizer: Any
     ds_id_of: Dict[int, int]
+    # Whether the fp32 master weights are read only by the optimizer step (ZeRO-1/2: a separate
+    # partition), so optimizer-state offload may keep them on the host between steps. ZeRO-3's
+    # masters are the all-gather source the forward and backward read: moving them is parameter
+    # offload, not optimizer-state offload.
+    masters_offloadable: bool = False
+    # Set by optimizer-state offload (deepcompile/offload/): called before sharded state is handed
+    # out (``shards``, ``shard_optimizer_state``, ``sync_params_from_shards``) so that it is on the
+    # device, not in a freed device copy.
+    before_state_access: Optional[Callable[[], None]] = None
+
+    def _state_on_device(self) -> None:
+        if self.before_state_access is not None:
+            self.before_state_access()
 
     # ---- the training loop ----------------------------------------------------------------
 

@@ -32,6 +32,8 @@ from deepcompile.zero.sharding import ParamShard, Sharding, optimizer_state_piec
 
 
 class Zero12Sharding(Sharding):
+    masters_offloadable = True  # the master partitions are read by the step only
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
                  stage: int):
         if optimizer.state:
@@ -178,6 +180,7 @@ class Zero12Sharding(Sharding):
     # replicated in the module (and in full_state_dict) and are not listed.
 
     def shards(self) -> Iterator[ParamShard]:
+        self._state_on_device()
         for g in self.groups:
             master = g.master.detach()  # same storage; a plain tensor, writable in place
             for piece in g.pieces():
@@ -186,6 +189,7 @@ class Zero12Sharding(Sharding):
                 yield ParamShard(self._names[id(piece.param)], piece.ds_id, piece.param.shape, local, r.start, r.stop)
 
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
+        self._state_on_device()
         for g in self.groups:
             for piece in g.pieces():
                 if piece.ds_id != ds_id:
@@ -195,5 +199,6 @@ class Zero12Sharding(Sharding):
         return {}
 
     def sync_params_from_shards(self) -> None:
+        self._state_on_device()
         self._gather_updated_params()
 

@@ -104,6 +104,7 @@ class Zero3Sharding(Sharding):
             yield ParamShard(sp.name, sp.ds_id, sp.shape, sp.shard[: end - start], start, end)
 
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
+        self._state_on_device()
         sp = self.params[ds_id]
         if sp.master is None:
             return {}

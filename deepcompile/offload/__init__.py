@@ -1,0 +1,29 @@
+"""Offloading: moving training state to host memory and back (issue 18).
+
+Today: optimizer-state offload (``opt_states.py``), planned per tensor under the memory budget
+(``plan.py``), copied on two lanes (``lanes.py``) into host buffers (``host_memory.py``).
+Parameter and activation offload are to plug into the same lanes, buffers and plan.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from deepcompile.offload.opt_states import OptimizerStateOffload
+from deepcompile.offload.settings import OptStateOffloadSettings, opt_state_offload_settings
+
+
+def optimizer_state_offload(config, sharding, device: torch.device,
+                            group: Optional[dist.ProcessGroup]) -> Optional[OptimizerStateOffload]:
+    """The engine's optimizer-state offload, or None when the config leaves it off."""
+    settings = opt_state_offload_settings(config, device)
+    if settings is None:
+        return None
+    return OptimizerStateOffload(sharding, settings, device, group, sharding.param_names())
+
+
+__all__ = ["OptimizerStateOffload", "OptStateOffloadSettings", "opt_state_offload_settings",
+           "optimizer_state_offload"]

@@ -1,0 +1,284 @@
+"""Optimizer-state offload: the optimizer's per-element state (Adam's moments) and, under ZeRO-1/2,
+the fp32 master partitions live in host memory between optimizer steps, as far as the plan says.
+
+Units. What moves is a whole device *storage*: each state tensor the optimizer created for a
+master (one per parameter under ZeRO-3, one per param group under ZeRO-1/2) and each ZeRO-1/2
+master partition. They are found through the stage's ``Sharding`` interface (``shards()`` and
+``shard_optimizer_state()``), so this module knows no stage's layout. Offloading a unit copies its
+bytes to a host buffer and frees the device storage (``resize_(0)``); the tensor objects the
+optimizer holds stay the same, so the optimizer never notices. Reloading re-allocates the storage
+in place and copies the bytes back: the values are bitwise those written.
+
+A step (``Engine``):
+
+* ``before_backward(boundary=True)``: the units the plan lets come back during the backward (the
+  headroom the budget leaves above the measured forward/backward peak) start reloading on the
+  reload lane, those of the last parameters first (their gradients are final first);
+* ``before_step()``: everything still on the host is reloaded; the compute stream waits for the
+  reload copies (events, no host synchronisation) and the optimizer step runs on the device;
+* ``after_step()``: each unit the plan offloads is copied to the host on the offload lane, ordered
+  after the step, and its device storage is freed at once (the allocator is told the offload lane
+  still reads it), so the copy overlaps the next forward.
+
+Torch optimizers create their state at their first step: the first plan is made right after it,
+from that step's measurements, and state first created later (a parameter whose first gradient
+came later) is planned at the step that creates it. Before the first step nothing is offloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from deepcompile import compat
+from deepcompile.offload import device_memory, host_memory
+from deepcompile.offload.lanes import CopyLanes
+from deepcompile.offload.plan import OffloadPlan, check_budget, plan_offload
+from deepcompile.offload.settings import OptStateOffloadSettings
+
+MASTER = "fp32 master"
+
+
+@dataclasses.dataclass(eq=False)
+class OffloadUnit:
+    """One device storage that may move to the host."""
+
+    storage_key: int
+    what: str  # MASTER or the optimizer's state key ("exp_avg", ...)
+    ds_ids: List[int]  # the parameters whose state it holds
+    device_bytes: torch.Tensor  # uint8 view of the whole device storage
+    nbytes: int
+    host: Optional[torch.Tensor] = None  # uint8 host buffer, allocated when first planned out
+    planned_out: bool = False  # the plan keeps it on the host between steps
+    early: bool = False  # reloaded from the start of the boundary backward
+    on_host: bool = False  # the device storage is freed; the host copy holds the values
+    written: Any = None  # completion of the last offload copy
+    reloading: Any = None  # completion of a reload copy the compute stream has not waited for yet
+
+    @property
+    def order_key(self) -> int:
+        # Reload order: the parameters registered last are used last in the forward, so their
+        # gradients are final first in the backward.
+        return -max(self.ds_ids)
+
+
+class OptimizerStateOffload:
+    def __init__(self, sharding, settings: OptStateOffloadSettings, device: torch.device,
+                 group: Optional[dist.ProcessGroup], param_names: Dict[int, str]):
+        self.sharding = sharding
+        self.settings = settings
+        self.device = device
+        self.group = group
+        self.param_names = param_names
+        self.lanes = CopyLanes(device)
+        self.units: Dict[int, OffloadUnit] = {}
+        self.plan: Optional[OffloadPlan] = None
+        self.planned_at_step: Optional[int] = None
+        self.steps = 0
+        self._discovering = False
+        # Measured at the first optimizer step (before it): see plan.py.
+        self.peak_without: Optional[int] = None
+        self.step_floor: Optional[int] = None
+        self._other_at_step = 0
+        self._stepped_ids: set = set()
+        self._new_ids = True  # the first step plans
+        sharding.before_state_access = self.materialize
+
+    # ---- units --------------------------------------------------------------------------------
+
+    def _discover(self) -> Dict[int, OffloadUnit]:
+        """The device storages that may move, by storage key (existing units kept)."""
+        found: Dict[int, OffloadUnit] = {}
+        self._discovering = True
+        try:
+            for shard in self.sharding.shards():
+                n = shard.local.numel()
+                if n == 0:
+                    continue
+                tensors = []
+                if self.sharding.masters_offloadable:
+                    tensors.append((MASTER, shard.local))
+                for key, value in self.sharding.shard_optimizer_state(shard.ds_id).items():
+                    # Per-element state only (a view lined up with the shard); scalars such as
+                    # Adam's step stay where they are.
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == n:
+                        tensors.append((key, value))
+                for what, t in tensors:
+                    if t.device != self.device:
+                        continue
+                    key = compat.storage_id(t)
+                    unit = found.get(key) or self.units.get(key)
+                    if unit is None:
+                        storage = t.untyped_storage()
+                        view = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                        unit = OffloadUnit(key, what, [], view, storage.nbytes())
+                    if key not in found:
+                        unit.ds_ids = []
+                        found[key] = unit
+                    unit.ds_ids.append(shard.ds_id)
+        finally:
+            self._discovering = False
+        return found
+
+    def _label(self, unit: OffloadUnit) -> str:
+        names = [self.param_names.get(i, str(i)) for i in unit.ds_ids]
+        of = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
+        return f"{unit.what} of {of}"
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def before_backward(self, boundary: bool) -> None:
+        """Start the reloads that fit beside the backward (only at an accumulation boundary)."""
+        if not boundary:
+            return
+        for unit in sorted(self.units.values(), key=lambda u: u.order_key):
+            if unit.early:
+                self._reload(unit)
+
+    def before_step(self) -> None:
+        """Everything the step reads is on the device (the compute stream waits for it)."""
+        from deepcompile import runtime
+
+        if self.peak_without is None:
+            # First step: measure before any state exists (see plan.py); under ZeRO-1/2 the
+            # masters are already there, and resident.
+            resident = sum(u.nbytes for u in self._discover().values())
+            self.peak_without = max(0, device_memory.peak_allocated(self.device) - resident)
+            # Memory the step needs besides the offloadable tensors (gradients, parameters...).
+            self._other_at_step = max(0, device_memory.allocated(self.device) - resident)
+        # A parameter reduced for the first time gets its state at this step, on every rank alike
+        # (reductions are collective): the plan is then redone together (after_step).
+        ids = {i for i in self.param_names if runtime.was_reduced(i)}
+        if ids - self._stepped_ids:
+            self._new_ids = True
+            self._stepped_ids |= ids
+        self.materialize()
+
+    def after_step(self) -> None:
+        """Write back what the plan offloads; the next forward overlaps the copies."""
+        self.steps += 1
+        found = self._discover()
+        if self._new_ids:
+            self._replan(found, collective=True)
+            self._new_ids = False
+        elif found.keys() != self.units.keys():
+            # Storages replaced outside a step (e.g. the optimizer's state loaded from a checkpoint).
+            self._replan(found, collective=False)
+        for unit in self.units.values():
+            if unit.planned_out:
+                self._offload(unit)
+
+    def materialize(self) -> None:
+        """Bring every offloaded unit back to the device; they stay until the next after_step."""
+        if self._discovering:
+            return
+        for unit in self.units.values():
+            self._reload(unit)
+        for unit in self.units.values():
+            self.lanes.wait(unit.reloading)
+            unit.reloading = None
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def _replan(self, found: Dict[int, OffloadUnit], collective: bool) -> None:
+        new_bytes = sum(u.nbytes for k, u in found.items() if k not in self.units)
+        if self.step_floor is None:
+            # The step needs its other memory plus every offloadable tensor, all reloaded.
+            self.step_floor = self._other_at_step + sum(u.nbytes for u in found.values())
+        else:
+            self.step_floor += new_bytes
+        self.units = found
+        ordered = sorted(found.values(), key=lambda u: u.order_key)
+        peak_without, step_floor = self.peak_without, self.step_floor
+        if collective:
+            # One plan decision for all ranks: the largest measurement, so every rank raises alike.
+            peak_without, step_floor = self._max_over_ranks([peak_without, step_floor])
+            self.peak_without, self.step_floor = peak_without, step_floor
+            check_budget(self.settings.budget_bytes, self.settings.budget_name, peak_without, step_floor)
+        budget = self.settings.budget_bytes
+        keep_limit = None if budget is None else budget - peak_without
+        self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction)
+        self.planned_at_step = self.steps
+        headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
+        failure = None
+        for unit, out in zip(ordered, self.plan.offloaded):
+            unit.planned_out = out
+            unit.early = False
+            if out and headroom >= unit.nbytes:
+                unit.early = True  # fits beside the backward's peak: reload from its start
+                headroom -= unit.nbytes
+            if out and (unit.host is None or unit.host.numel() != unit.nbytes) and failure is None:
+                try:
+                    unit.host = host_memory.empty_host(unit.nbytes, self.settings.pin_memory)
+                except host_memory.PinnedMemoryError as e:
+                    failure = f"{self._label(unit)}: {e}"
+        failed = float(failure is not None)
+        if collective:
+            (failed,) = self._max_over_ranks([failed])
+        if failed:
+            raise host_memory.PinnedMemoryError(
+                "optimizer-state offload (" + self.settings.enabled_by + ") could not allocate its host buffers"
+                + (f" on this rank ({failure})" if failure else " on another rank")
+                + (f"; {self.plan.offloaded_bytes} bytes were to be offloaded. Lower what is offloaded "
+                   "(offload_optimizer.ratio, a larger compile.memory_budget_*), free host memory"
+                   + (", or set offload_optimizer.pin_memory false" if self.settings.pin_memory else "")))
+
+    def _max_over_ranks(self, values: List[float]) -> List[int]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    # ---- copies -------------------------------------------------------------------------------
+
+    def _offload(self, unit: OffloadUnit) -> None:
+        if unit.on_host:
+            return
+        unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+        unit.device_bytes.untyped_storage().resize_(0)
+        unit.on_host = True
+
+    def _reload(self, unit: OffloadUnit) -> None:
+        if not unit.on_host:
+            return
+        # Allocated on the compute stream, where the step will use it.
+        unit.device_bytes.untyped_storage().resize_(unit.nbytes)
+        unit.reloading = self.lanes.reload(unit.device_bytes, unit.host, unit.written)
+        unit.on_host = False
+
+    # ---- reporting and teardown ---------------------------------------------------------------
+
+    def offloaded_units(self) -> List[OffloadUnit]:
+        """Units whose device storage is freed right now."""
+        return [u for u in self.units.values() if u.on_host]
+
+    def report(self) -> Dict[str, Any]:
+        plan = self.plan
+        return {
+            "enabled_by": self.settings.enabled_by,
+            "budget_bytes": self.settings.budget_bytes,
+            "budget": self.settings.budget_name,
+            "min_fraction": self.settings.min_fraction,
+            "pinned": self.settings.pin_memory,
+            "planned_after_step": self.planned_at_step,
+            "peak_without_offloadable_bytes": self.peak_without,
+            "step_floor_bytes": self.step_floor,
+            "offloaded_bytes": plan.offloaded_bytes if plan else 0,
+            "resident_bytes": plan.resident_bytes if plan else sum(u.nbytes for u in self.units.values()),
+            "reloaded_during_backward_bytes": sum(u.nbytes for u in self.units.values() if u.early),
+            "tensors": [{"tensor": self._label(u), "bytes": u.nbytes, "offloaded": u.planned_out,
+                         "reload": "backward" if u.early else "before step" if u.planned_out else None}
+                        for u in sorted(self.units.values(), key=lambda u: u.order_key)],
+        }
+
+    def close(self) -> None:
+        """Bring the state back (the optimizer object may outlive the engine) and let go."""
+        self.materialize()
+        self.lanes.synchronize()
+        if self.sharding.before_state_access == self.materialize:
+            self.sharding.before_state_access = None
+        for unit in self.units.values():
+            unit.host = None
+        self.units = {}

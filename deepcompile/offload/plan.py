@@ -1,0 +1,79 @@
+"""Which optimizer-state tensors leave the device: a plan under the memory budget.
+
+Pure arithmetic on byte counts, so it is tested on its own (tests/test_offload.py). The runtime
+side (copies, streams, freeing) is ``opt_states.py``.
+
+Model. Between optimizer steps, every tensor the plan keeps *resident* occupies the device through
+the whole forward and backward, so it adds to their peak; an *offloaded* tensor occupies nothing
+there. For the optimizer step every offloaded tensor is reloaded: the step needs all the state on
+the device at once, whatever the plan. So with ``peak_without`` the forward/backward peak with no
+offloadable tensor on the device and ``step_floor`` the device memory the step needs:
+
+* the smallest plan (everything offloaded) needs ``max(peak_without, step_floor)``; a budget below
+  that cannot be met by any plan (:class:`OffloadBudgetError`, which names the minimum);
+* otherwise at most ``budget - peak_without`` bytes may stay resident, and the plan offloads the
+  fewest bytes that bring the resident total under that: the largest tensors first (few copies of
+  large, efficient transfers), then every offloaded tensor small enough to come back without
+  breaking the bound is brought back (so the bytes moved are not much more than required).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional, Sequence
+
+
+class OffloadBudgetError(ValueError):
+    """The memory budget is below what the smallest offload plan needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    offloaded: List[bool]  # per tensor, in the order given
+    resident_bytes: int
+    offloaded_bytes: int
+    required_bytes: int  # the least the plan had to offload (budget and ratio)
+
+
+def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: float) -> OffloadPlan:
+    """Choose the tensors to offload among ``sizes`` (bytes each).
+
+    ``keep_limit``: the most bytes that may stay resident (None: no budget, offload everything).
+    ``min_fraction``: the least fraction of the total bytes to offload whatever the budget
+    (``offload_optimizer.ratio``; 0 for ``compile.offload_opt_states`` alone).
+    """
+    total = sum(sizes)
+    if keep_limit is None:
+        required = total
+    else:
+        required = max(total - max(keep_limit, 0), math.ceil(min_fraction * total))
+    required = min(required, total)
+    offloaded = [False] * len(sizes)
+    moved = 0
+    if required > 0:
+        # Largest first (stable: equal sizes in the given order, which is the reload order).
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            if moved >= required:
+                break
+            offloaded[i] = True
+            moved += sizes[i]
+        # Bring back what the surplus allows, smallest first.
+        for i in sorted((i for i in range(len(sizes)) if offloaded[i]), key=lambda i: sizes[i]):
+            if moved - sizes[i] >= required:
+                offloaded[i] = False
+                moved -= sizes[i]
+    return OffloadPlan(offloaded, total - moved, moved, required)
+
+
+def check_budget(budget: Optional[int], budget_name: str, peak_without: int, step_floor: int) -> None:
+    """Raise :class:`OffloadBudgetError` when no plan fits ``budget``."""
+    if budget is None:
+        return
+    minimum = max(peak_without, step_floor)
+    if budget < minimum:
+        raise OffloadBudgetError(
+            f"optimizer-state offload: the memory budget ({budget_name} = {budget} bytes) is smaller than the smallest "
+            f"plan, which needs {minimum} bytes on the device even with all offloadable optimizer state on the host "
+            f"(forward/backward peak without it: {peak_without} bytes; the optimizer step, which reloads all of it: "
+            f"{step_floor} bytes). Raise the budget to at least {minimum} bytes, or reduce the batch or the model")
