@@ -330,11 +330,35 @@ def test_fp16_enabled_is_rejected():
     assert Config.from_any(make(fp16={"enabled": False})).fp16.enabled is False
 
 
-@pytest.mark.parametrize("which", ["offload_param", "offload_optimizer"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_zero_offload_is_rejected(which, device):
-    msg = err({"zero_optimization": {"stage": 3, which: {"device": device}}})
-    assert f"zero_optimization.{which}.device" in msg and "offload is not supported yet" in msg
+def test_zero_param_offload_is_rejected(device):
+    msg = err({"zero_optimization": {"stage": 3, "offload_param": {"device": device}}})
+    assert "zero_optimization.offload_param.device" in msg and "offload is not supported yet" in msg
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_optimizer_offload_to_cpu_is_accepted(stage):
+    from deepcompile.config import OffloadOptimizer
+
+    z = Config.from_any({"zero_optimization": {"stage": stage, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True, "ratio": 0.25, "buffer_count": 4, "fast_init": False}}}).zero_optimization
+    assert z.offload_optimizer == OffloadOptimizer(device="cpu", pin_memory=True, ratio=0.25)
+    z = Config.from_any({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}).zero_optimization
+    assert z.offload_optimizer == OffloadOptimizer(device="cpu", pin_memory=False, ratio=1.0)  # DeepSpeed's defaults
+
+
+@pytest.mark.parametrize("value,key,fragment", [
+    ({"device": "nvme", "nvme_path": "/local_nvme"}, "device", "NVMe offload is not implemented"),
+    ({"device": "gpu"}, "device", 'must be "none", "cpu" or "nvme"'),
+    ({"device": "cpu", "ratio": 0}, "ratio", "must be a number in (0.0, 1.0]"),
+    ({"device": "cpu", "ratio": 1.5}, "ratio", "must be a number in (0.0, 1.0]"),
+    ({"device": "cpu", "pin_memory": 1}, "pin_memory", "true or false"),
+    ({"device": "cpu", "buffer_count": 0}, "buffer_count", "positive integer"),
+    ({"device": "cpu", "pipeline": True}, "pipeline", "unknown config key"),
+])
+def test_zero_optimizer_offload_bad_values(value, key, fragment):
+    msg = err({"zero_optimization": {"stage": 3, "offload_optimizer": value}})
+    assert f"zero_optimization.offload_optimizer.{key}" in msg and fragment in msg, msg
 
 
 @pytest.mark.parametrize("value", [None, {}, {"device": "none"}, {"device": "none", "pin_memory": True}])
@@ -348,7 +372,12 @@ def test_zero_offload_must_be_an_object():
         {"zero_optimization": {"stage": 3, "offload_param": "cpu"}})
 
 
-@pytest.mark.parametrize("key", ["offload_activation", "offload_opt_states", "offload_parameters", "symmetric_memory"])
+def test_offload_opt_states_is_a_switch():
+    assert Config.from_any(make(compile={"offload_opt_states": True})).compile.offload_opt_states is True
+    assert "true or false" in err(make(compile={"offload_opt_states": 1}))
+
+
+@pytest.mark.parametrize("key", ["offload_activation", "offload_parameters", "symmetric_memory"])
 def test_unsupported_compile_features(key):
     msg = err(make(compile={key: True}))
     assert f"compile.{key}" in msg and "not supported yet" in msg
