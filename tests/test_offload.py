@@ -39,33 +39,25 @@ def test_plan_offloads_nothing_when_everything_fits():
     assert plan.offloaded == [False, False, False] and plan.offloaded_bytes == 0
 
 
-def test_plan_offloads_the_fewest_bytes_largest_first_then_brings_back():
-    # 6 bytes over the limit: the largest (8) alone covers it.
+def test_plan_offloads_largest_first_and_finishes_with_the_smallest_that_covers():
+    # 6 bytes over the limit: 8 is the only tensor that covers it alone.
     plan = plan_offload([5, 3, 8, 1], keep_limit=11, min_fraction=0.0)
     assert plan.offloaded == [False, False, True, False] and plan.resident_bytes == 9
-    # 9 over: 8 then 5 go (13); bringing back 5 would leave 8 < 9, so both stay out.
-    plan = plan_offload([5, 3, 8, 1], keep_limit=8, min_fraction=0.0)
-    assert plan.offloaded == [True, False, True, False] and plan.resident_bytes == 4
-    # 3 over among [4, 4, 3]: the first 4 (stable order among equals: the reload order) goes.
-    assert plan_offload([4, 4, 3], keep_limit=8, min_fraction=0.0).offloaded == [True, False, False]
-    # 10 over among [9, 2, 2]: 9 then 2 go (11); the surplus (1) is too small to bring one back.
-    assert plan_offload([9, 2, 2], keep_limit=3, min_fraction=0.0).offloaded == [True, True, False]
-    # 3 over among [9, 3]: 9 goes; nothing smaller was taken, so nothing comes back. Then with
-    # [3, 9, 1] and 4 over: 9 covers it (the largest first), and 9 cannot come back.
-    assert plan_offload([9, 3], keep_limit=9, min_fraction=0.0).offloaded == [True, False]
-    # Bring-back: 6 over among [5, 4, 2]: 5 then 4 go (9); 4 cannot come back (5 < 6), so {5, 4}.
-    # 5 over among [5, 1, 1, 3]: 5 goes alone. 9 over among [5, 4, 3]: 5, 4 (9) exactly.
-    assert plan_offload([5, 4, 2], keep_limit=5, min_fraction=0.0).offloaded == [True, True, False]
-    assert plan_offload([5, 1, 1, 3], keep_limit=5, min_fraction=0.0).offloaded == [True, False, False, False]
-    # Where the greedy overshoots, the bring-back trims: 7 over among [6, 5, 2]: 6 then 5 go (11),
-    # then nothing smaller than 4 is out... with [6, 5, 2, 2] and 7 over: 6, 5 go (11), the
-    # surplus 4 brings nothing back (no 2 went out). With 8 over: 6 + 5 = 11, surplus 3: stays.
-    assert plan_offload([6, 5, 2, 2], keep_limit=8, min_fraction=0.0).offloaded == [True, True, False, False]
+    # 4 over: 5 covers it, and is smaller than 8.
+    assert plan_offload([5, 3, 8, 1], keep_limit=13, min_fraction=0.0).offloaded == [True, False, False, False]
+    # 12 over: no tensor covers it alone; 8 goes, then the 4 missing are covered by 5 (not 3 + 1).
+    plan = plan_offload([5, 3, 8, 1], keep_limit=5, min_fraction=0.0)
+    assert plan.offloaded == [True, False, True, False] and plan.offloaded_bytes == 13
+    # Equal sizes: the first in the given (reload) order goes.
+    assert plan_offload([4, 4, 3], keep_limit=7, min_fraction=0.0).offloaded == [True, False, False]
+    # Exactly the total over: everything.
+    assert plan_offload([4, 4, 3], keep_limit=0, min_fraction=0.0).offloaded == [True, True, True]
 
 
 def test_plan_min_fraction_is_a_floor():
+    # Half of 10 bytes at least: 4, then 2 covers the missing 1.
     plan = plan_offload([4, 4, 2], keep_limit=100, min_fraction=0.5)
-    assert plan.offloaded_bytes >= 5 and plan.offloaded == [True, True, False]
+    assert plan.offloaded_bytes == 6 and plan.offloaded == [True, False, True]
     assert plan_offload([4, 4, 2], keep_limit=100, min_fraction=1.0).offloaded == [True, True, True]
 
 

@@ -12,9 +12,9 @@ offloadable tensor on the device and ``step_floor`` the device memory the step n
 * the smallest plan (everything offloaded) needs ``max(peak_without, step_floor)``; a budget below
   that cannot be met by any plan (:class:`OffloadBudgetError`, which names the minimum);
 * otherwise at most ``budget - peak_without`` bytes may stay resident, and the plan offloads the
-  fewest bytes that bring the resident total under that: the largest tensors first (few copies of
-  large, efficient transfers), then every offloaded tensor small enough to come back without
-  breaking the bound is brought back (so the bytes moved are not much more than required).
+  fewest bytes that bring the resident total under that, greedily: the largest tensors first (few,
+  large, efficient transfers) until the smallest tensor that alone covers what is still missing
+  completes the plan (so it does not overshoot by a whole large tensor).
 """
 
 from __future__ import annotations
@@ -51,18 +51,16 @@ def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: 
     required = min(required, total)
     offloaded = [False] * len(sizes)
     moved = 0
-    if required > 0:
-        # Largest first (stable: equal sizes in the given order, which is the reload order).
-        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-            if moved >= required:
-                break
-            offloaded[i] = True
-            moved += sizes[i]
-        # Bring back what the surplus allows, smallest first.
-        for i in sorted((i for i in range(len(sizes)) if offloaded[i]), key=lambda i: sizes[i]):
-            if moved - sizes[i] >= required:
-                offloaded[i] = False
-                moved -= sizes[i]
+    # Stable orders: among equal sizes the given order (the reload order) decides.
+    largest_first = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    while moved < required:
+        missing = required - moved
+        left = [i for i in largest_first if not offloaded[i]]
+        # The smallest tensor that alone completes the plan, else the largest (and go on).
+        finishing = [i for i in left if sizes[i] >= missing]
+        pick = min(finishing, key=lambda i: (sizes[i], i)) if finishing else left[0]
+        offloaded[pick] = True
+        moved += sizes[pick]
     return OffloadPlan(offloaded, total - moved, moved, required)
 
 
