@@ -375,16 +375,16 @@ def test_failed_export_keeps_the_earlier_one(tmp_path):
 
 
 def _export_memory_body(ctx, good, out_dir):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.overrides import TorchFunctionMode
 
     import deepcompile
 
-    class LargestTensor(TorchDispatchMode):
-        """The largest tensor any op creates while active."""
+    class LargestTensor(TorchFunctionMode):
+        """The largest tensor any torch function or tensor method returns while active."""
 
         largest = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor):
