@@ -7,11 +7,12 @@
 
 from deepcompile import runtime  # noqa: F401  (loads the op library: torch.ops.dc.*)
 from deepcompile import compat
+from deepcompile.checkpoint.hf_weights import load_hf_weights
 from deepcompile.compiler.compiled_module import deepcompile_backend
 from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
 from deepcompile.zero.leaf_modules import set_leaf_modules
 
-__all__ = ["Config", "Engine", "initialize", "runtime", "set_leaf_modules"]
+__all__ = ["Config", "Engine", "initialize", "load_hf_weights", "runtime", "set_leaf_modules"]
 
 compat.register_backend("deepcompile", deepcompile_backend)

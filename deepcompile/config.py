@@ -533,9 +533,9 @@ class ZeroConfig(_Section):
         _optional(_integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2): "
         + _LIMIT.format(what="the model's parameter count") + ".")
     stage3_gather_16bit_weights_on_model_save: Any = _key(
-        _bool, False, "ZeRO-3: no effect by design, any value: deepcompile has no model-save path that could skip "
-        "consolidation; engine.full_state_dict() gathers the full weights (in the parameters' dtype) whenever it is "
-        "called.", auto="kept: the key has no effect either way")
+        _bool, False, "ZeRO-3: no effect by design, any value: no model-save path skips "
+        "consolidation; engine.save_hf() and engine.full_state_dict() gather the full weights (to rank 0, in the "
+        "parameters' dtype) whenever they are called.", auto="kept: the key has no effect either way")
     sub_group_size: Optional[int] = _key(
         _optional(_integer(1)), None,
         "ZeRO-3 (inert under ZeRO-1/2): the optimizer step runs over all of this rank's master shards at once; "

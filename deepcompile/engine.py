@@ -178,12 +178,26 @@ class Engine:
         """Names of parameters that were gathered outside compiled graphs (eager frames)."""
         return self.sharding.eagerly_gathered_params()
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The module's state dict with full parameters, as CPU tensors, identical on every rank.
+    def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
+        """The module's state dict with full parameters, as CPU tensors, on rank 0; the other
+        ranks get ``{}`` (and never hold the full model) unless ``all_ranks=True``, which gives
+        every rank the same dict. Collective: every rank must call it.
 
         Tied parameters appear under each of their names, as in ``nn.Module.state_dict``.
         """
-        return self.sharding.full_state_dict()
+        return self.sharding.full_state_dict(all_ranks)
+
+    def save_hf(self, directory: str, max_shard_size: Union[int, str] = "5GB") -> None:
+        """Write the model as ``transformers``' ``save_pretrained`` does, for
+        ``AutoModelForCausalLM.from_pretrained(directory)``: safetensors files of at most
+        ``max_shard_size`` (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
+        ``model.safetensors.index.json``), in the training dtype, and the config of a
+        transformers model. Parameters are gathered one at a time to rank 0, which alone
+        writes; an earlier export in ``directory`` is replaced only once the new one is complete.
+        Collective: every rank must call it (checkpoint/hf_weights.py)."""
+        from deepcompile.checkpoint.hf_weights import save_hf
+
+        save_hf(self, directory, max_shard_size=max_shard_size)
 
     def destroy(self) -> None:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut

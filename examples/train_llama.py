@@ -72,7 +72,7 @@ def train_distributed(args, device):
         if rank == 0:
             print(f"step {step:3d}  loss {mean:.5f}  step time {elapsed * 1e3:8.1f} ms  "
                   f"tokens/s {args.batch * SEQ / elapsed:10.1f}", flush=True)
-    state = engine.full_state_dict()
+    state = engine.full_state_dict()  # on rank 0; {} elsewhere
     engine.destroy()
     return losses, state
 

@@ -266,7 +266,7 @@ def _fixture_body(ctx, name: str, compile_backend: Optional[str]):
         assert lrs == pytest.approx(EXPECTED_LRS[name], rel=1e-6, abs=1e-12), lrs
     else:
         assert lrs == pytest.approx([1e-3 / (1 + t) for t in range(1, steps + 1)]), lrs
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     torch.manual_seed(0)
     init = HFTiny(CASES[name][3]).state_dict()
     moved = [k for k in init if not torch.equal(state[k].float(), init[k].float())]
@@ -318,7 +318,7 @@ def _run(ctx, cfg, steps=3, dtype=torch.float32, optimizer=None, on_engine: Opti
         x, y = torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
         engine.backward(engine(x.to(ctx.device), y.to(ctx.device)))
         engine.step()
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     return engine, state
 
 

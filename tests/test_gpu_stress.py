@@ -165,7 +165,7 @@ def train_engine(ctx, sizes: dict, config: dict, backend: str, steps: int):
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
     assert engine.micro_steps == steps
-    state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    state = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
     plans = getattr(getattr(engine, "scheduler", None), "plans", None)
     groups = None
     if plans is not None:

@@ -108,7 +108,7 @@ def _body(ctx, stage, backend, disable_loop, steps=3):
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(total / world, ref_loss.detach(), **(INDUCTOR_TOL if backend == "inductor" else TOL))
-    got = engine.full_state_dict()
+    got = engine.full_state_dict(all_ranks=True)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(got[name], value.cpu(), **(INDUCTOR_TOL if backend == "inductor" else TOL),
                                    msg=lambda m: f"{name}: {m}")

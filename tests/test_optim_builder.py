@@ -242,7 +242,7 @@ def _train(ctx, cfg, optimizer_factory, steps, gas):
         if engine.micro_steps % gas == 0:  # the step just taken ended a window
             lrs.append(engine.get_lr())
     assert engine.global_steps == steps
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     kind = type(engine.basic_optimizer)
     engine.destroy()
     return state, lrs, kind

@@ -65,7 +65,7 @@ def _body(ctx):
         dist.all_reduce(total)
         torch.testing.assert_close(total.item() / world, ref_loss.item(), rtol=1e-5, atol=1e-6)
     assert len(engine.compiled_module.backend_for("eager").graphs) == 3, "identical layers shared one compiled graph"
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     engine.destroy()

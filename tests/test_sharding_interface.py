@@ -125,10 +125,23 @@ def _accessors_body(ctx, stage, name):
         for s in shards:
             s.local.copy_(torch.arange(s.start, s.end, dtype=s.local.dtype, device=s.local.device) / 100 + s.ds_id)
     sharding.sync_params_from_shards()
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     for s in shards:
         expected = (torch.arange(s.numel, dtype=torch.float32) / 100 + s.ds_id).to(state[s.name].dtype)
         torch.testing.assert_close(state[s.name].reshape(-1), expected, **TOL)
+    # full_params: each listed parameter whole, in its dtype, on rank 0 only; full_state_dict()
+    # without all_ranks likewise ({} on the other ranks). Same values as the all-ranks gather.
+    for s, full in sharding.full_params():
+        if ctx.rank == 0:
+            assert full.dtype == state[s.name].dtype and full.shape == s.shape
+            assert torch.equal(full.cpu(), state[s.name]), s.name
+        else:
+            assert full is None
+    on_rank0 = engine.full_state_dict()
+    if ctx.rank == 0:
+        assert on_rank0.keys() == state.keys() and all(torch.equal(on_rank0[k], state[k]) for k in state)
+    else:
+        assert on_rank0 == {}
     # ... and what the next forward computes with (the gathered or replicated values).
     x, y = batch(name, 1, device=ctx.device)
     got = engine(x, y)

@@ -83,7 +83,7 @@ def _body(ctx, name, stage, dynamic, compile_keys=None):
         # The passes were planned from the profiled step and are in force.
         assert "prefetch" in engine.scheduler.applied.passes, engine.scheduler.applied.describe()
         assert engine.schedule_report(), "no schedule was planned"
-    params = {k: v.float().cpu() for k, v in engine.full_state_dict().items()}
+    params = {k: v.float().cpu() for k, v in engine.full_state_dict(all_ranks=True).items()}
     ref_losses, ref_params = reference(name, world)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL,
                                msg=lambda m: f"{m}\nlosses {losses}\nreference {ref_losses}")

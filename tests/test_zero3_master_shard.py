@@ -34,7 +34,7 @@ def _full_master(sp) -> torch.Tensor:
 
 
 def _check_params_are_rounded_masters(engine, trainable, dtype, what):
-    full = engine.full_state_dict()
+    full = engine.full_state_dict(all_ranks=True)
     for sp in trainable:
         want = _full_master(sp).to(dtype).cpu()
         got = full[sp.name]

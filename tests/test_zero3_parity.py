@@ -141,7 +141,7 @@ def _forwards_without_backward_body(ctx, name, backend):
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()})
+    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
     ref = train_reference(name, 4, device=ctx.device)
     assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
     engine.destroy()

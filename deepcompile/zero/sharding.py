@@ -83,9 +83,10 @@ class Sharding(abc.ABC):
         gradient partitions and make the module's parameters reflect the update."""
 
     @abc.abstractmethod
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The module's state dict with full parameters, as CPU tensors, identical on every rank.
-        Collective: every rank must call it."""
+    def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
+        """The module's state dict with full parameters, as CPU tensors, on the group's first rank
+        ({} on the others, as torch's rank-0-only full state dicts); with ``all_ranks``, identical
+        on every rank. Collective: every rank must call it."""
 
     @abc.abstractmethod
     def eagerly_gathered_params(self) -> List[str]:
@@ -134,6 +135,15 @@ class Sharding(abc.ABC):
         """After writing ``ParamShard.local`` tensors: make the module compute with the new
         values (ZeRO-3: gathered copies become stale; ZeRO-1/2: the replicated parameters are
         refreshed from the masters). Collective: every rank must call it."""
+
+    def full_params(self) -> Iterator[Tuple[ParamShard, Optional[torch.Tensor]]]:
+        """Every parameter ``shards()`` lists, in full and in the parameter's dtype, one at a time:
+        the tensor on the group's first rank, None on the others, which never hold more than
+        their piece (zero/gather_full.py). Collective: every rank must exhaust it. Stages set
+        ``module`` and ``group``; one whose parameters are replicated can skip the gathers."""
+        from deepcompile.zero.gather_full import gather_to_rank
+
+        return gather_to_rank(self.shards(), lambda s: self.module.get_parameter(s.name).dtype, self.group)
 
     def param_names(self) -> Dict[int, str]:
         """ds id -> name of every partitioned parameter."""

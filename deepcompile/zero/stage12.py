@@ -17,7 +17,7 @@ every micro-step into the partition.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,8 +167,15 @@ class Zero12Sharding(Sharding):
         return []  # nothing is gathered
 
     @torch.no_grad()
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+    def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
+        if not all_ranks and self.rank != 0:
+            return {}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def full_params(self) -> Iterator[Tuple[ParamShard, Optional[torch.Tensor]]]:
+        # The module's parameters are replicated and current: nothing to gather.
+        for shard in self.shards():
+            yield shard, (self.module.get_parameter(shard.name).detach() if self.rank == 0 else None)
 
     def close(self) -> None:
         for h in self._hooks:

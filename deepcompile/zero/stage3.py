@@ -21,6 +21,7 @@ class Zero3Sharding(Sharding):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup]):
         self.module = model
+        self.group = group
         self.rank = dist.get_rank(group)
         self.params: List[ShardedParam] = partition_parameters(
             model, config.zero_optimization.stage3_param_persistence_threshold, group
@@ -78,8 +79,13 @@ class Zero3Sharding(Sharding):
         return [sp.ds_id for sp in self.params if sp.persistent]
 
     @torch.no_grad()
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        full = {id(sp.param): gather_full_copy(sp.param, sp.ds_id).cpu() for sp in self.params}
+    def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
+        if all_ranks:
+            full = {id(sp.param): gather_full_copy(sp.param, sp.ds_id).cpu() for sp in self.params}
+        else:  # gathered to the first rank only: the others never hold a full parameter
+            full = {id(self.params[s.ds_id].param): t.cpu() for s, t in self.full_params() if t is not None}
+            if self.rank != 0:
+                return {}
         out: Dict[str, torch.Tensor] = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             out[name] = full[id(value)] if id(value) in full else value.detach().cpu().clone()

@@ -351,7 +351,7 @@ def train_engine(
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()}), engine
+    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}), engine
 
 
 def assert_parity(got: RunResult, ref: RunResult, rtol: float, atol: float) -> None:

@@ -1,0 +1,57 @@
+"""Full parameters assembled on one rank from every rank's ``ParamShard``, one at a time.
+
+For exports and rank-0 state dicts: the destination holds one full parameter at a time (plus a
+staging buffer of the same size), the other ranks never more than their own piece. It uses only
+``Sharding.shards()``, so it serves every stage: each rank sends its ``[start, end)`` piece
+(padded to the longest piece of that parameter) with one ``gather``; the destination places the
+pieces by their ranges, learnt once with one ``all_gather_object`` of every rank's ranges.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from deepcompile.zero.sharding import ParamShard
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard], torch.dtype],
+                   group: Optional[dist.ProcessGroup], dst: int = 0
+                   ) -> Iterator[Tuple[ParamShard, Optional[torch.Tensor]]]:
+    """Every shard's full parameter in ``dtype_of(shard)`` on group rank ``dst`` (None on the
+    others), in ``shards`` order. Collective: every rank must exhaust the iterator."""
+    shards = list(shards)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranges = [None] * world
+    dist.all_gather_object(ranges, [(s.start, s.end) for s in shards], group=group)
+    dst_global = dist.get_global_rank(group, dst) if group is not None else dst
+    for i, shard in enumerate(shards):
+        dtype = dtype_of(shard)
+        device = shard.local.device
+        # gloo cannot gather every half type on every torch version; fp32 carries them exactly.
+        comm_dtype = torch.float32 if device.type == "cpu" and dtype in _HALF else dtype
+        spans = [r[i] for r in ranges]
+        width = max(max(end - start for start, end in spans), 1)
+        piece = torch.zeros(width, dtype=comm_dtype, device=device)
+        piece[: shard.end - shard.start] = shard.local
+        if rank != dst:
+            dist.gather(piece, None, dst=dst_global, group=group)
+            del piece
+            yield shard, None
+            continue
+        staged = torch.empty(world, width, dtype=comm_dtype, device=device)
+        dist.gather(piece, list(staged.unbind(0)), dst=dst_global, group=group)
+        del piece
+        if all(start == r * width for r, (start, _) in enumerate(spans)):
+            flat = staged.view(-1)[: shard.numel]  # ZeRO-3: rank r holds [r * width, (r + 1) * width)
+        else:
+            flat = torch.empty(shard.numel, dtype=comm_dtype, device=device)
+            for r, (start, end) in enumerate(spans):
+                flat[start:end] = staged[r, : end - start]
+        full = flat.view(shard.shape).to(dtype)
+        del staged, flat
+        yield shard, full
