@@ -59,10 +59,20 @@ void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::ve
   rt.registerZ3Params(std::move(specs));
 }
 
+// The ZeRO-3 layout of `id`; a ZeRO-1/2 parameter raises, naming the introspection call.
+const Z3Layout& z3Of(int64_t id, const char* call) { return currentRuntime().registry().get(id).z3(call); }
+
 py::object gatheredBuffer(int64_t id) {
+  const Z3Layout& z3 = z3Of(id, "deepcompile: gathered_buffer");
+  if (!z3.gathered.defined()) return py::none();
+  return py::cast(z3.gathered);
+}
+
+// ZeRO-3: the shard gathers read from; ZeRO-1/2: the replicated parameter.
+at::Tensor registeredData(int64_t id) {
   const DSParam& p = currentRuntime().registry().get(id);
-  if (!p.gathered.defined()) return py::none();
-  return py::cast(p.gathered);
+  if (const Z3Layout* z3 = p.maybeZ3()) return z3->shard;
+  return p.z12().param;
 }
 
 }  // namespace
@@ -97,14 +107,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); }, py::call_guard<py::gil_scoped_release>());
   m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); }, py::call_guard<py::gil_scoped_release>());
   // Introspection (tests, reports).
-  m.def("is_gathered", [](int64_t id) {
-    const DSParam& p = currentRuntime().registry().get(id);
-    return p.valid && p.gathered.defined();
-  });
-  m.def("is_persistent", [](int64_t id) { return currentRuntime().registry().get(id).persistent; });
+  // ZeRO-3 state: a ZeRO-1/2 parameter raises (it has no gathered buffer, persistence or gather dtype).
+  m.def("is_gathered", [](int64_t id) { return z3Of(id, "deepcompile: is_gathered").isGathered(); });
+  m.def("is_persistent", [](int64_t id) { return z3Of(id, "deepcompile: is_persistent").persistent; });
   m.def("gathered_buffer", &gatheredBuffer);
-  m.def("registered_shard", [](int64_t id) { return currentRuntime().registry().get(id).data; });
-  m.def("gather_dtype", [](int64_t id) { return currentRuntime().registry().get(id).gather_dtype; });
+  m.def("gather_dtype", [](int64_t id) { return z3Of(id, "deepcompile: gather_dtype").gather_dtype; });
+  m.def("registered_shard", &registeredData);
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
   m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });
@@ -120,6 +128,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("holds_grad_target", [](int64_t id) {
     const DSParam& p = currentRuntime().registry().get(id);
-    return p.grad_target.defined() || p.local_grad_acc.defined();
+    const Z12Layout* z12 = p.maybeZ12();
+    return p.grad_target.defined() || (z12 != nullptr && z12->local_grad_acc.defined());
   });
 }

@@ -13,7 +13,12 @@ CustomOpExecutor::CustomOpExecutor(ExecutorContext context, GraphId graph_id, st
 DSParam& CustomOpExecutor::param(DsId id, const char* op) {
   TORCH_CHECK(hasParam(id), "dc.", op, ": ds id ", id, " is not a parameter of graph ", graph_id_,
               " (registered ids: ", ids_.size(), ")");
-  return ctx_.registry.get(id);
+  DSParam& p = ctx_.registry.get(id);
+  // register_graph checked the layouts, but a parameter may have been registered again since,
+  // for the other stage: this graph's ops must not read a layout the parameter no longer has.
+  TORCH_CHECK(p.stage() == layoutStage(), "dc.", op, ": ", p.stageMismatch(layoutStage()), " (graph ", graph_id_,
+              " was registered for ZeRO-", stage_, " and the parameter was registered again since)");
+  return p;
 }
 
 void CustomOpExecutor::checkGradient(const DSParam& p, const at::Tensor& grad, const char* op) const {
@@ -31,14 +36,15 @@ void CustomOpExecutor::reduceGrad(const at::Tensor& grad, DsId id, const char* o
 void CustomOpExecutor::enqueue(DSParam& p, const at::Tensor& grad, const char* op) {
   const int rank = ctx_.comm.rank();
   const int64_t local = p.localGradNumel(rank);
-  if (!p.grad_target.defined() && p.partitioned && p.expected_grad_dtype.has_value()) {
+  const Z3Layout* z3 = p.maybeZ3();
+  if (!p.grad_target.defined() && z3 != nullptr && p.expected_grad_dtype.has_value()) {
     // ZeRO-3 trainable parameter without a bound target: its gradient partition is allocated
     // now, at its first reduction of the window, on the compute stream (the optimizer's), and
     // dropped by unbind_grad_targets after the step. Allocating here rather than for the whole
     // step keeps gradient partitions out of the activation peak at the start of the backward.
     // No reduction reached this parameter in the window yet, so the first one overwrites.
     p.grad_target =
-        at::empty({p.ppr}, at::TensorOptions().dtype(*p.expected_grad_dtype).device(ctx_.lanes.device()));
+        at::empty({z3->ppr}, at::TensorOptions().dtype(*p.expected_grad_dtype).device(ctx_.lanes.device()));
     p.has_acc_grad = false;
   }
   TORCH_CHECK(local == 0 || p.grad_target.defined(), "dc.", op, ": ds id ", p.id,
@@ -49,17 +55,18 @@ void CustomOpExecutor::enqueue(DSParam& p, const at::Tensor& grad, const char* o
 void Z1Executor::reduce(DSParam& p, const at::Tensor& grad, const char* op) {
   // ZeRO-1 reduces once per accumulation window: micro-steps accumulate the full local
   // gradient (a private copy: the graph may reuse its own buffer), the update step reduces it.
+  at::Tensor& acc = p.z12("dc.reduce_grad").local_grad_acc;
   if (!ctx_.update_step) {
-    if (p.local_grad_acc.defined()) {
-      p.local_grad_acc.add_(grad.reshape(p.local_grad_acc.sizes()));
+    if (acc.defined()) {
+      acc.add_(grad.reshape(acc.sizes()));
     } else {
-      p.local_grad_acc = grad.detach().clone(at::MemoryFormat::Contiguous);
+      acc = grad.detach().clone(at::MemoryFormat::Contiguous);
     }
     return;
   }
-  if (p.local_grad_acc.defined()) {
-    at::Tensor total = std::move(p.local_grad_acc);
-    p.local_grad_acc = at::Tensor();
+  if (acc.defined()) {
+    at::Tensor total = std::move(acc);
+    acc = at::Tensor();
     total.add_(grad.reshape(total.sizes()));
     enqueue(p, total, op);
   } else {

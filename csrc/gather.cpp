@@ -16,8 +16,8 @@ bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nb
 // may be bf16), so the shard is cast to the gather dtype first and only then to another requested
 // one: every dtype sees the same rounding as the module parameter. In the usual case (the buffer
 // is in the gather dtype) the copy is the single cast.
-at::Tensor stageOwnChunk(const DSParam& p, const at::Tensor& buffer, int rank) {
-  at::Tensor shard = p.data.reshape({-1});
+at::Tensor stageOwnChunk(const Z3Layout& p, const at::Tensor& buffer, int rank) {
+  at::Tensor shard = p.shard.reshape({-1});
   if (shard.scalar_type() != p.gather_dtype && buffer.scalar_type() != p.gather_dtype) {
     shard = shard.to(p.gather_dtype);
   }
@@ -28,7 +28,7 @@ at::Tensor stageOwnChunk(const DSParam& p, const at::Tensor& buffer, int rank) {
 
 }  // namespace
 
-void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<DSParam*>& params,
+void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
                    const std::vector<at::ScalarType>& dtypes) {
   TORCH_INTERNAL_ASSERT(params.size() == dtypes.size());
   if (params.empty()) return;
@@ -39,40 +39,40 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<DSParam*>
     LaneScope scope(lanes, Lane::AllGather);
     comm.beginGroup(Lane::AllGather);
     for (size_t i = 0; i < params.size(); ++i) {
-      DSParam& p = *params[i];
+      Z3Layout& p = *params[i];
       const at::ScalarType dtype = dtypes[i];
       // Reuse the previous buffer only when it has the right size *and* dtype (a persistent
       // parameter re-gathered in another dtype must not get the old dtype back).
-      const bool reuse = hasStorageBytes(p.gathered) && p.gathered.numel() == p.paddedNumel() &&
+      const bool reuse = hasStorageBytes(p.gathered) && p.gathered.numel() == p.padded_numel &&
                          p.gathered.scalar_type() == dtype;
       if (!reuse) {
         if (p.gathered.defined()) lanes.recordStream(p.gathered, lanes.computeStream());
         // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
-        p.gathered = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
+        p.gathered = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
       }
       comm.allGather(stageOwnChunk(p, p.gathered, comm.rank()), p.gathered);  // fused down-cast
       p.valid = true;
     }
   }
   CompletionPtr done = comm.endGroup();
-  for (DSParam* p : params) p->gather_done = done;
+  for (Z3Layout* p : params) p->gather_done = done;
 }
 
-at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, DSParam& p, at::ScalarType dtype) {
+at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& p, at::ScalarType dtype) {
   lanes.waitCompute(Lane::AllGather);
   at::Tensor buffer;
   {
     LaneScope scope(lanes, Lane::AllGather);
-    buffer = at::empty({p.paddedNumel()}, p.data.options().dtype(dtype));
+    buffer = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
     comm.beginGroup(Lane::AllGather);
     comm.allGather(stageOwnChunk(p, buffer, comm.rank()), buffer);
   }
   comm.endGroup()->blockStream(lanes.computeStream());
   lanes.recordStream(buffer, lanes.computeStream());
-  return buffer.narrow(0, 0, p.numel).view(p.shape);
+  return buffer;
 }
 
-void freeGathered(Lanes& lanes, DSParam& p) {
+void freeGathered(Lanes& lanes, Z3Layout& p) {
   if (p.gathered.defined()) {
     // CPU: the gather may still write into the buffer from gloo's thread; finish it first.
     // CUDA: the compute stream read the buffer after waiting for the gather; the allocator must

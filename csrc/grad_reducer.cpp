@@ -32,7 +32,8 @@ void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   const at::ScalarType dtype = param.expected_grad_dtype.value_or(grad.scalar_type());
   // ZeRO-3 slots are padded to world * ppr and zero-filled, so the reduce-scatter never reads
   // past the gradient (the padding tail of the last rank's partition stays exactly zero).
-  const int64_t slot_numel = param.partitioned ? param.paddedNumel() : param.numel;
+  const Z3Layout* z3 = param.maybeZ3();
+  const int64_t slot_numel = z3 != nullptr ? z3->padded_numel : param.numel;
 
   ReduceBucket* bucket = &buckets_.current(dtype);
   if (bucket->shouldFlush(slot_numel)) {
@@ -129,11 +130,11 @@ void GradReducer::flush(at::ScalarType dtype) {
       // two micro-steps) overwrites its target once and accumulates afterwards.
       const bool accumulate = param.has_acc_grad;
       param.has_acc_grad = true;
-      if (param.partitioned) {
+      if (const Z3Layout* z3 = param.maybeZ3()) {
         // Receive straight into the target when it can simply be overwritten.
         const at::Tensor& target = param.grad_target;
         const bool direct = !accumulate && target.scalar_type() == dtype;
-        at::Tensor recv = direct ? target.view({-1}) : at::empty({param.ppr}, task.slot.options());
+        at::Tensor recv = direct ? target.view({-1}) : at::empty({z3->ppr}, task.slot.options());
         comm_.reduceScatter(task.slot, recv);
         landings.push_back({&param, direct ? at::Tensor() : recv, accumulate});
       } else {

@@ -39,7 +39,7 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
   std::vector<at::ScalarType> dtype_list;
   for (size_t i = 0; i < id_list.size(); ++i) {
     dtype_list.push_back(dtypes.has_value() ? (*dtypes)[i]
-                                            : ex.param(id_list[i], "prefetch_params_fused").gather_dtype);
+                                            : ex.param(id_list[i], "prefetch_params_fused").z3().gather_dtype);
   }
   ex.prefetch(id_list, dtype_list);
 }
@@ -96,7 +96,8 @@ at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t i
   // is known only to the registry: `a` may be stored in another dtype (an fp32 master shard of
   // a bf16 parameter). The ZeRO-3 pass and the prefetch planner always name the dtype, so only
   // calls without one read the registry here.
-  return at::empty(a.sizes(), a.options().dtype(currentRuntime().registry().get(id).gather_dtype));
+  const at::ScalarType gather_dtype = currentRuntime().registry().get(id).z3("dc.allgather_param").gather_dtype;
+  return at::empty(a.sizes(), a.options().dtype(gather_dtype));
 }
 
 void prefetch_params_fused_meta(int64_t, at::TensorList, at::IntArrayRef, std::optional<at::ArrayRef<at::ScalarType>>) {}

@@ -14,15 +14,6 @@ std::unique_ptr<Runtime>& currentSlot() {
   return *runtime;
 }
 
-int64_t product(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    TORCH_CHECK(d >= 0, "deepcompile: negative dimension in parameter shape");
-    n *= d;
-  }
-  return n;
-}
-
 const char* stageName(int stage) {
   switch (stage) {
     case 1: return "ZeRO-1";
@@ -56,8 +47,8 @@ void Runtime::shutdown() {
   if (!comm_) return;
   // Let in-flight collectives and copies finish before their buffers go away.
   for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
-  registry_.forEach([](DSParam& p) {
-    if (p.gather_done) p.gather_done->hostWait();
+  registry_.forEachZ3([](DSParam&, Z3Layout& z3) {
+    if (z3.gather_done) z3.gather_done->hostWait();
   });
   executors_.clear();
   reducer_.reset();
@@ -73,11 +64,11 @@ void Runtime::checkDevice(const at::Tensor& tensor, const char* op, const char* 
 
 void Runtime::registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage) {
   TORCH_CHECK(stage >= 1 && stage <= 3, "deepcompile: register_graph: stage must be 1, 2 or 3, got ", stage);
+  const ParamStage layout = stage == 3 ? ParamStage::Zero3 : ParamStage::Zero12;
   for (DsId id : ids) {
     const DSParam& p = registry_.get(id);
-    TORCH_CHECK(p.partitioned == (stage == 3), "deepcompile: register_graph: ds id ", id, " was registered as a ",
-                p.partitioned ? "ZeRO-3 (partitioned)" : "ZeRO-1/2 (replicated)", " parameter and cannot be used in a ",
-                stageName(stage), " graph");
+    TORCH_CHECK(p.stage() == layout, "deepcompile: register_graph: ", p.stageMismatch(layout),
+                ", so it cannot be used in a ", stageName(stage), " graph");
   }
   std::unique_ptr<CustomOpExecutor> executor;
   switch (stage) {
@@ -146,7 +137,7 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
   std::unordered_set<DsId> seen;
   for (size_t i = 0; i < specs.size() && bad_index < 0; ++i) {
     const Z3ParamSpec& s = specs[i];
-    const int64_t ppr = ceilDiv(product(s.shape), world);
+    const int64_t ppr = ceilDiv(numelOf(s.shape), world);
     if (!seen.insert(s.id).second) {
       local_error = "ds id " + std::to_string(s.id) + " appears twice in one registration";
     } else if (!s.shard.defined() || s.shard.numel() != ppr) {
@@ -187,17 +178,12 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
                 "this batch was registered");
   }
   for (Z3ParamSpec& s : specs) {
-    if (registry_.contains(s.id)) freeGathered(*lanes_, registry_.get(s.id));
-    DSParam p;
-    p.id = s.id;
-    p.shape = s.shape;
-    p.numel = product(s.shape);
-    p.world = world;
-    p.partitioned = true;
-    p.data = s.shard;
-    p.gather_dtype = s.gather_dtype.value_or(s.shard.scalar_type());
-    p.ppr = ceilDiv(p.numel, world);
-    p.persistent = s.persistent;
+    freeGatheredOf(s.id);
+    Z3Layout layout;
+    layout.shard = s.shard;
+    layout.gather_dtype = s.gather_dtype.value_or(s.shard.scalar_type());
+    layout.persistent = s.persistent;
+    DSParam p(s.id, s.shape, world, std::move(layout));
     p.expected_grad_dtype = s.expected_grad_dtype;
     if (s.grad_target.defined() && s.grad_target.numel() != 0) {
       p.grad_target = s.grad_target;
@@ -211,7 +197,7 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
 
 void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
                                int64_t partition_numel) {
-  const int64_t numel = product(shape);
+  const int64_t numel = numelOf(shape);
   TORCH_CHECK(param.defined() && param.numel() == numel, "deepcompile: register_z12_param: ds id ", id,
               ": parameter has ", param.defined() ? param.numel() : -1, " elements, shape says ", numel);
   TORCH_CHECK(group_offset >= 0 && partition_numel >= 0 &&
@@ -219,18 +205,12 @@ void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor p
               "deepcompile: register_z12_param: ds id ", id, " at offset ", group_offset, " with ", numel,
               " elements does not fit in ", comm_->size(), " partitions of ", partition_numel, " elements");
   checkDevice(param, "register_z12_param", "the parameter");
-  if (registry_.contains(id)) freeGathered(*lanes_, registry_.get(id));
-  DSParam p;
-  p.id = id;
-  p.shape = std::move(shape);
-  p.numel = numel;
-  p.world = comm_->size();
-  p.partitioned = false;
-  p.data = param;
-  p.gather_dtype = param.scalar_type();  // replicated: never gathered, kept for consistency
-  p.group_offset = group_offset;
-  p.partition_numel = partition_numel;
-  registry_.add(std::move(p));
+  freeGatheredOf(id);
+  Z12Layout layout;
+  layout.param = std::move(param);
+  layout.group_offset = group_offset;
+  layout.partition_numel = partition_numel;
+  registry_.add(DSParam(id, std::move(shape), comm_->size(), std::move(layout)));
 }
 
 void Runtime::bindGradTarget(DsId id, at::Tensor target, bool zero) {
@@ -258,42 +238,45 @@ void Runtime::unbindGradTargets(const std::optional<std::vector<DsId>>& ids) {
 }
 
 void Runtime::setPersistent(DsId id, bool persistent) {
-  DSParam& p = registry_.get(id);
-  TORCH_CHECK(p.partitioned, "deepcompile: set_persistent: ds id ", id, " is not a ZeRO-3 parameter");
-  p.persistent = persistent;
+  Z3Layout& z3 = registry_.get(id).z3("deepcompile: set_persistent");
+  z3.persistent = persistent;
   if (persistent) {
     // Gather now, in the gather dtype (what its uses ask for, so they need no conversion):
     // allocating persistent buffers early limits fragmentation.
-    if (!(p.valid && p.gathered.defined())) launchGathers(*lanes_, *comm_, {&p}, {p.gather_dtype});
+    if (!z3.isGathered()) launchGathers(*lanes_, *comm_, {&z3}, {z3.gather_dtype});
   } else if (!anyExecutorHoldsGather(id)) {
-    freeGathered(*lanes_, p);
+    freeGathered(*lanes_, z3);
   }
 }
 
-void Runtime::invalidateGathered(DsId id) {
-  DSParam& p = registry_.get(id);
-  if (p.persistent) return;
-  if (p.gather_done) p.gather_done->hostWait();
-  p.gathered = at::Tensor();
-  p.valid = false;
-  p.gather_done = nullptr;
+void Runtime::invalidateGathered(DsId id) { forgetGathered(registry_.get(id).z3("deepcompile: invalidate_gathered_param")); }
+
+void Runtime::forgetGathered(Z3Layout& z3) {
+  if (z3.persistent) return;
+  if (z3.gather_done) z3.gather_done->hostWait();
+  z3.gathered = at::Tensor();
+  z3.valid = false;
+  z3.gather_done = nullptr;
 }
 
 void Runtime::clearAllGathered() {
-  registry_.forEach([this](DSParam& p) {
-    if (p.partitioned) invalidateGathered(p.id);
-  });
+  registry_.forEachZ3([this](DSParam&, Z3Layout& z3) { forgetGathered(z3); });
 }
 
 void Runtime::invalidateAllGathered() {
-  registry_.forEach([this](DSParam& p) {
-    if (!p.partitioned) return;
-    if (p.persistent) {
-      p.valid = false;  // keep the buffer; the next gather refills it
-    } else if (p.gathered.defined() && !anyExecutorHoldsGather(p.id)) {
-      freeGathered(*lanes_, p);
+  registry_.forEachZ3([this](DSParam& p, Z3Layout& z3) {
+    if (z3.persistent) {
+      z3.valid = false;  // keep the buffer; the next gather refills it
+    } else if (z3.gathered.defined() && !anyExecutorHoldsGather(p.id)) {
+      freeGathered(*lanes_, z3);
     }
   });
+}
+
+void Runtime::freeGatheredOf(DsId id) {
+  DSParam* old = registry_.find(id);
+  if (old == nullptr) return;
+  if (Z3Layout* z3 = old->maybeZ3()) freeGathered(*lanes_, *z3);
 }
 
 Runtime& currentRuntime() {

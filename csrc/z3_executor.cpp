@@ -7,47 +7,48 @@ namespace deepcompile {
 
 at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
   DSParam& p = param(id, "allgather_param");
-  const at::ScalarType target = dtype.value_or(p.gather_dtype);
-  if (!(p.valid && p.gathered.defined())) {
-    launchGathers(ctx_.lanes, ctx_.comm, {&p}, {target});
+  Z3Layout& z3 = p.z3("dc.allgather_param");
+  const at::ScalarType target = dtype.value_or(z3.gather_dtype);
+  if (!z3.isGathered()) {
+    launchGathers(ctx_.lanes, ctx_.comm, {&z3}, {target});
     return p.gatheredView();
   }
   // Prefetches and persistent gathers land in the gather dtype, which is also what a request
   // without a dtype asks for: the normal path returns the buffer without any conversion.
-  if (p.gathered.scalar_type() == target) return p.gatheredView();
-  if (p.gathered.scalar_type() == p.gather_dtype) {
+  if (z3.gathered.scalar_type() == target) return p.gatheredView();
+  if (z3.gathered.scalar_type() == z3.gather_dtype) {
     // Valid in the gather dtype, another one requested (e.g. a fused cast of a persistent
     // parameter): the buffer holds the parameter's exact values, so converting gives what a
     // fresh gather would, but only after the gather landed.
-    if (p.gather_done) p.gather_done->blockStream(ctx_.lanes.computeStream());
+    if (z3.gather_done) z3.gather_done->blockStream(ctx_.lanes.computeStream());
     return p.gatheredView().to(target);
   }
   // Valid only in a narrower dtype: converting back would lose precision. Gather a private
   // copy in the requested dtype; the registered buffer is left to its own release.
-  return gatherPrivateCopy(ctx_.lanes, ctx_.comm, p, target);
+  return gatherPrivateCopy(ctx_.lanes, ctx_.comm, z3, target).narrow(0, 0, p.numel).view(p.shape);
 }
 
 void Z3Executor::prefetch(const std::vector<DsId>& ids, const std::vector<at::ScalarType>& dtypes) {
-  std::vector<DSParam*> todo;
+  std::vector<Z3Layout*> todo;
   std::vector<at::ScalarType> todo_dtypes;
   for (size_t i = 0; i < ids.size(); ++i) {
-    DSParam& p = param(ids[i], "prefetch_params_fused");
-    if (p.valid && p.gathered.defined()) continue;
-    todo.push_back(&p);
+    Z3Layout& z3 = param(ids[i], "prefetch_params_fused").z3("dc.prefetch_params_fused");
+    if (z3.isGathered()) continue;
+    todo.push_back(&z3);
     todo_dtypes.push_back(dtypes[i]);
   }
   launchGathers(ctx_.lanes, ctx_.comm, todo, todo_dtypes);
 }
 
 void Z3Executor::wait(DsId id) {
-  DSParam& p = param(id, "wait_allgather");
-  TORCH_CHECK(p.valid && p.gathered.defined(), "dc.wait_allgather: ds id ", id,
+  Z3Layout& z3 = param(id, "wait_allgather").z3("dc.wait_allgather");
+  TORCH_CHECK(z3.isGathered(), "dc.wait_allgather: ds id ", id,
               " is not gathered (no allgather_param or prefetch issued since its last release)");
-  if (p.gather_done) p.gather_done->blockStream(ctx_.lanes.computeStream());
+  if (z3.gather_done) z3.gather_done->blockStream(ctx_.lanes.computeStream());
 }
 
 void Z3Executor::release(DsId id, int64_t n_users) {
-  DSParam& p = param(id, "release_param");
+  Z3Layout& z3 = param(id, "release_param").z3("dc.release_param");
   TORCH_CHECK(n_users >= 1, "dc.release_param: n_users must be >= 1, got ", n_users, " (ds id ", id, ")");
   ReleaseCount& count = releases_[id];
   if (count.remaining == 0) {
@@ -57,10 +58,10 @@ void Z3Executor::release(DsId id, int64_t n_users) {
     TORCH_CHECK(count.n_users == n_users, "dc.release_param: inconsistent n_users for ds id ", id, " in graph ",
                 graph_id_, ": this gather episode started with ", count.n_users, ", got ", n_users);
   }
-  if (--count.remaining > 0 || p.persistent) return;
+  if (--count.remaining > 0 || z3.persistent) return;
   // Several graphs may use a parameter at once (e.g. nested frames): the last holder frees it.
   if (ctx_.any_holds_gather(id)) return;
-  freeGathered(ctx_.lanes, p);
+  freeGathered(ctx_.lanes, z3);
 }
 
 bool Z3Executor::holdsGather(DsId id) const {
@@ -73,10 +74,8 @@ void Z3Executor::endBackward(bool update_step) {
   // The optimizer is about to change the shards: gathered copies (persistent ones included)
   // become stale. Persistent buffers are kept and re-filled by the next gather.
   for (DsId id : ids_) {
-    DSParam& p = ctx_.registry.get(id);
-    if (p.persistent) {
-      p.valid = false;
-    }
+    Z3Layout& z3 = param(id, "end_backward").z3("dc.end_backward");
+    if (z3.persistent) z3.valid = false;
   }
 }
 

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace dctest {
@@ -91,6 +92,18 @@ inline at::Tensor shardOf(const at::Tensor& full, int rank, int world) {
   at::Tensor padded = at::zeros({ppr * world}, full.options());
   padded.narrow(0, 0, full.numel()).copy_(full.reshape({-1}));
   return padded.narrow(0, rank * ppr, ppr).clone();
+}
+
+// The message of the c10::Error `f` raises (fails the test when it raises none).
+template <typename F>
+std::string errorOf(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a c10::Error";
+  return "";
 }
 
 inline at::Tensor cpuAlloc(int64_t n, at::ScalarType dtype) { return at::empty({n}, at::TensorOptions().dtype(dtype)); }

@@ -32,7 +32,7 @@ TEST_F(Executors, GatherReturnsFullParamAndReleaseFreesStorage) {
   EXPECT_GT(out.storage().nbytes(), 0u);  // first of two releases keeps it
   ex.release(5, 2);
   EXPECT_EQ(out.storage().nbytes(), 0u);  // final release frees the padded storage itself
-  EXPECT_FALSE(rt->registry().get(5).valid);
+  EXPECT_FALSE(rt->registry().get(5).z3().valid);
   EXPECT_THROW(ex.wait(5), c10::Error);
 }
 
@@ -55,7 +55,7 @@ TEST_F(Executors, PersistentRegatherHonoursDtype) {
   Z3Executor& ex = rt->z3Executor(3, "test");
   EXPECT_EQ(ex.allgather(1, std::nullopt).scalar_type(), at::kFloat);
   ex.release(1, 1);
-  EXPECT_TRUE(rt->registry().get(1).valid);  // persistent: not freed
+  EXPECT_TRUE(rt->registry().get(1).z3().valid);  // persistent: not freed
   shard.fill_(2.5f);
   rt->invalidateAllGathered();
   at::Tensor again = ex.allgather(1, at::kBFloat16);
@@ -70,8 +70,8 @@ TEST_F(Executors, Fp32ShardGathersInItsGatherDtype) {
   Runtime::Z3ParamSpec spec{1, {3}, shard, at::Tensor(), false, std::nullopt, at::kBFloat16};
   rt->registerZ3Params({spec});
   rt->registerGraph(3, {1}, 3);
-  EXPECT_EQ(rt->registry().get(1).gather_dtype, at::kBFloat16);
-  EXPECT_EQ(rt->registry().get(1).data.scalar_type(), at::kFloat);
+  EXPECT_EQ(rt->registry().get(1).z3().gather_dtype, at::kBFloat16);
+  EXPECT_EQ(rt->registry().get(1).z3().shard.scalar_type(), at::kFloat);
   Z3Executor& ex = rt->z3Executor(3, "test");
   at::Tensor out = ex.allgather(1, std::nullopt);
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
@@ -83,15 +83,15 @@ TEST_F(Executors, Fp32ShardGathersInItsGatherDtype) {
   EXPECT_NE(wide[0].item<float>(), 1.0f / 3.0f);
   ex.release(1, 1);
   rt->setPersistent(1, true);  // gathers in bf16 right away
-  ASSERT_TRUE(rt->registry().get(1).gathered.defined());
-  EXPECT_EQ(rt->registry().get(1).gathered.scalar_type(), at::kBFloat16);
+  ASSERT_TRUE(rt->registry().get(1).z3().gathered.defined());
+  EXPECT_EQ(rt->registry().get(1).z3().gathered.scalar_type(), at::kBFloat16);
   const int gathers = comm->gathers;
   at::Tensor again = ex.allgather(1, std::nullopt);
   EXPECT_EQ(comm->gathers, gathers);  // served from the persistent buffer
-  EXPECT_EQ(again.data_ptr(), rt->registry().get(1).gathered.data_ptr());
+  EXPECT_EQ(again.data_ptr(), rt->registry().get(1).z3().gathered.data_ptr());
   // A default gather dtype is the shard's own.
   rt->registerZ3Params({{2, {4}, at::ones({2}, at::kBFloat16), at::Tensor(), false, std::nullopt}});
-  EXPECT_EQ(rt->registry().get(2).gather_dtype, at::kBFloat16);
+  EXPECT_EQ(rt->registry().get(2).z3().gather_dtype, at::kBFloat16);
 }
 
 TEST_F(Executors, Zero1ReducesOnlyAtUpdateToOwners) {
@@ -118,4 +118,40 @@ TEST_F(Executors, Zero1ReducesOnlyAtUpdateToOwners) {
   EXPECT_FALSE(rt->registry().get(4).grad_target.defined());
   rt->reducer().releaseBuckets();
   EXPECT_EQ(rt->reducer().bucketNumel(), 0);
+}
+
+// A graph keeps the ids it was registered with; when one of them is registered again for the
+// other stage, the graph's ops raise an error naming the id and both stages instead of reading a
+// layout the parameter no longer has.
+TEST_F(Executors, Zero3OpsOnAParameterReRegisteredForZero12Fail) {
+  make(0, 2);
+  rt->registerZ3Params({{7, {4}, at::ones({2}), at::Tensor(), false, std::nullopt}});
+  rt->registerGraph(3, {7}, 3);
+  Z3Executor& ex = rt->z3Executor(3, "test");
+  rt->registerZ12Param(7, {4}, at::ones({4}), 0, 2);
+  const std::string mismatch = "ds id 7 is registered for ZeRO-1/2, not ZeRO-3";
+  for (const std::string& msg : {errorOf([&] { ex.allgather(7, std::nullopt); }),
+                                 errorOf([&] { ex.prefetch({7}, {at::kFloat}); }),
+                                 errorOf([&] { ex.wait(7); }),
+                                 errorOf([&] { ex.release(7, 1); }),
+                                 errorOf([&] { ex.endBackward(true); })}) {
+    EXPECT_NE(msg.find(mismatch), std::string::npos) << msg;
+    EXPECT_NE(msg.find("graph 3"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(comm->gathers, 0);
+}
+
+TEST_F(Executors, Zero1ReductionOfAParameterReRegisteredForZero3Fails) {
+  make(0, 2);
+  rt->registerZ12Param(4, {6}, at::zeros({6}), 0, 3);
+  rt->registerGraph(1, {4}, 1);
+  rt->registerGraph(2, {4}, 2);
+  rt->registerZ3Params({{4, {6}, at::zeros({3}), at::zeros({3}), false, std::nullopt}});
+  rt->startBackward(false);
+  for (GraphId graph : {1, 2}) {
+    const std::string msg = errorOf([&] { rt->executor(graph, "test").reduceGrad(at::ones({6}), 4, "reduce_grad"); });
+    EXPECT_NE(msg.find("dc.reduce_grad: ds id 4 is registered for ZeRO-3, not ZeRO-1/2"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(rt->reducer().pendingTasks(), 0u);  // nothing was queued
+  EXPECT_EQ(rt->registry().get(4).reduce_count, 0);
 }

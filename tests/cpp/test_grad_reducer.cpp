@@ -91,13 +91,11 @@ TEST(GradReducer, ReducesReplicatedParamsToTheirOwnersWithoutARuntime) {
   auto lanes = makeHostLanes();
   MirrorCommunicator comm(/*rank=*/0, /*world=*/2);
   GradReducer reducer(registry, *lanes, comm, /*bucket_size=*/16, /*double_buffer=*/true);
-  DSParam p;
-  p.id = 3;
-  p.shape = {5};
-  p.numel = 5;
-  p.world = 2;
-  p.group_offset = 1;  // [1, 6) of a group split into partitions of 3: rank 0 owns [0, 2)
-  p.partition_numel = 3;
+  Z12Layout layout;
+  layout.param = at::zeros({5});
+  layout.group_offset = 1;  // [1, 6) of a group split into partitions of 3: rank 0 owns [0, 2)
+  layout.partition_numel = 3;
+  DSParam p(3, {5}, 2, std::move(layout));
   p.grad_target = at::empty({2});
   registry.add(p);
   reducer.enqueue(registry.get(3), at::arange(5, at::kFloat));

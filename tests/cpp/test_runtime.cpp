@@ -120,3 +120,30 @@ TEST_F(RuntimeTest, ProfilingEndOfBackwardFlushesNothing) {
   rt->endBackward(1, /*release_reduce_buckets=*/true);
   EXPECT_EQ(rt->reducer().pendingTasks(), 0u);
 }
+
+// The ZeRO-3 control calls name the id and both stages for a ZeRO-1/2 parameter; the calls over
+// all parameters only visit ZeRO-3 ones.
+TEST_F(RuntimeTest, Zero3ControlCallsRejectZero12Params) {
+  make(0, 2);
+  rt->registerZ12Param(2, {4}, at::ones({4}), 0, 2);
+  rt->registerZ3Params({{1, {4}, at::ones({2}), at::Tensor(), false, std::nullopt}});
+  const std::string mismatch = "ds id 2 is registered for ZeRO-1/2, not ZeRO-3";
+  EXPECT_NE(errorOf([&] { rt->setPersistent(2, true); }).find("set_persistent: " + mismatch), std::string::npos);
+  EXPECT_NE(errorOf([&] { rt->invalidateGathered(2); }).find("invalidate_gathered_param: " + mismatch),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { rt->registerGraph(5, {1, 2}, 3); }).find(mismatch), std::string::npos);
+  EXPECT_NE(errorOf([&] { rt->registerGraph(5, {2, 1}, 2); })
+                .find("ds id 1 is registered for ZeRO-3, not ZeRO-1/2"),
+            std::string::npos);
+  rt->setPersistent(1, true);
+  EXPECT_TRUE(rt->registry().get(1).z3().isGathered());
+  rt->invalidateAllGathered();  // skips the ZeRO-1/2 parameter
+  EXPECT_FALSE(rt->registry().get(1).z3().valid);
+  EXPECT_TRUE(rt->registry().get(1).z3().gathered.defined());  // persistent: buffer kept
+  rt->clearAllGathered();  // skips the ZeRO-1/2 parameter and keeps the persistent one
+  EXPECT_TRUE(rt->registry().get(1).z3().gathered.defined());
+  rt->setPersistent(1, false);
+  EXPECT_FALSE(rt->registry().get(1).z3().gathered.defined());
+  // ZeRO-1/2 state stays with its layout: the replicated parameter and where it sits.
+  EXPECT_EQ(rt->registry().get(2).z12().partition_numel, 2);
+}

@@ -121,3 +121,61 @@ def _body_error_wrong_stage(ctx):
 
 def test_error_executor_of_wrong_stage(dist_world_size):
     run_distributed(_body_error_wrong_stage, dist_world_size)
+
+
+def _body_wrong_stage_layout(ctx):
+    """A parameter registered again for the other stage after its graph was registered: the
+    graph's ops and the ZeRO-3 control and introspection calls raise an error that names the ds
+    id and both stages (the runtime used to read the other stage's fields: a ZeRO-1/2 parameter
+    "gathered" with a 0-element shard). Calls over all parameters skip ZeRO-1/2 ones, and the
+    runtime stays usable."""
+    import re
+
+    ctx.init_runtime(CONFIG)
+    world, dev = ctx.world_size, ctx.device
+    A, B = 11, 23
+    shape = (5, 3)
+    full_a = full_param(A, shape, torch.float32, dev)
+    shard_a = z3_shard(full_a, world, ctx.rank)
+    pn = ppr_of(full_a.numel(), world)
+    runtime.register_z3_params([A], [shape], [shard_a], [None])
+    runtime.register_graph(GRAPH, [A], 3)
+    runtime.register_z12_param(A, shape, full_a, 0, pn)  # A is now a ZeRO-1/2 parameter
+
+    not_z3 = re.escape(f"ds id {A} is registered for ZeRO-1/2, not ZeRO-3")
+    x = torch.zeros(shape, device=dev)
+    chk = ErrorChecks()
+    chk.expect("allgather_param", not_z3, ops.allgather_param, x, GRAPH, A)
+    chk.expect("allgather_param (fake kernel)", not_z3, ops.allgather_param, torch.empty(shape, device="meta"), GRAPH, A)
+    chk.expect("prefetch_params_fused", not_z3, ops.prefetch_params_fused, GRAPH, [x], [A])
+    chk.expect("wait_allgather", not_z3, ops.wait_allgather, x, GRAPH, A)
+    chk.expect("release_param", not_z3, ops.release_param, x, GRAPH, A, 1)
+    runtime.start_backward(True)  # an update step: the ZeRO-3 end of backward marks persistent copies stale
+    chk.expect("end_backward", not_z3, ops.end_backward, [x], GRAPH, True)
+    for name in ("set_persistent", "invalidate_gathered_param", "is_gathered", "is_persistent", "gathered_buffer", "gather_dtype"):
+        chk.expect(name, f"{name}: {not_z3}", getattr(runtime, name), A)
+    chk.expect("register_graph", not_z3, runtime.register_graph, GRAPH2, [A], 3)
+
+    # The reverse: a ZeRO-1 graph's parameter registered again for ZeRO-3.
+    full_b = full_param(B, shape, torch.float32, dev)
+    runtime.register_z12_param(B, shape, full_b, 0, pn)
+    runtime.register_graph(GRAPH2, [B], 1)
+    runtime.register_z3_params([B], [shape], [z3_shard(full_b, world, ctx.rank)], [None])
+    chk.expect("reduce_grad", re.escape(f"ds id {B} is registered for ZeRO-3, not ZeRO-1/2"), ops.reduce_grad, torch.ones(shape, device=dev), GRAPH2, B)
+    chk.assert_none()
+    assert runtime.pending_reduce_tasks() == 0 and runtime.reduce_counts()[B] == 0
+
+    # What both stages have still works, and the calls over all parameters skip ZeRO-1/2 ones.
+    assert runtime.registered_shard(A).data_ptr() == full_a.data_ptr()  # ZeRO-1/2: the replicated parameter
+    runtime.clear_all_gathered_params()
+    runtime.invalidate_all_gathered()
+    # Registering the graphs again with the current layouts makes them usable.
+    runtime.register_graph(GRAPH2, [B], 3)
+    out = gather(z3_shard(full_b, world, ctx.rank), GRAPH2, B)
+    assert torch.equal(out, full_b)
+    ops.release_param(out, GRAPH2, B, 1)
+    assert not runtime.is_gathered(B)
+
+
+def test_error_parameter_registered_again_for_other_stage(dist_world_size):
+    run_distributed(_body_wrong_stage_layout, dist_world_size)

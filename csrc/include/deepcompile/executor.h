@@ -42,8 +42,11 @@ class CustomOpExecutor {
   int stage() const { return stage_; }
   const std::vector<DsId>& ids() const { return ids_; }
   bool hasParam(DsId id) const { return id_set_.count(id) != 0; }
-  // The registry entry of `id`, after checking it belongs to this graph.
+  // The registry entry of `id`, after checking it belongs to this graph and has the layout of
+  // this graph's stage.
   DSParam& param(DsId id, const char* op);
+  // The parameter layout of this graph's stage.
+  ParamStage layoutStage() const { return stage_ == 3 ? ParamStage::Zero3 : ParamStage::Zero12; }
 
   // dc.reduce_grad: checks the gradient, hands it to the stage's reduction and counts it in the
   // parameter's window (DSParam::reduce_count) once accepted.

@@ -61,7 +61,7 @@ class Runtime {
     at::Tensor grad_target;  // numel ppr, or empty for frozen parameters
     bool persistent;
     std::optional<at::ScalarType> expected_grad_dtype;
-    // The dtype gathers default to (DSParam::gather_dtype); unset: the shard's own dtype.
+    // The dtype gathers default to (Z3Layout::gather_dtype); unset: the shard's own dtype.
     std::optional<at::ScalarType> gather_dtype = std::nullopt;
   };
   // Validates every shard size on every rank with one collective; all ranks raise together.
@@ -71,10 +71,11 @@ class Runtime {
   void bindGradTarget(DsId id, at::Tensor target, bool zero);
   void unbindGradTargets(const std::optional<std::vector<DsId>>& ids);
   void setPersistent(DsId id, bool persistent);
-  // Profiling helpers: forget a gathered buffer without freeing its storage.
+  // Profiling helpers: forget a gathered buffer without freeing its storage (ZeRO-3 only;
+  // clearAllGathered skips ZeRO-1/2 parameters, invalidateGathered rejects them).
   void invalidateGathered(DsId id);
   void clearAllGathered();
-  // After an optimizer step: every gathered copy is stale.
+  // After an optimizer step: every gathered copy is stale (ZeRO-3 parameters; others have none).
   void invalidateAllGathered();
 
   void startBackward(bool update_step);
@@ -91,6 +92,9 @@ class Runtime {
   void shutdown();
 
  private:
+  void forgetGathered(Z3Layout& z3);
+  // Before an id is registered again: frees the gathered buffer of the entry it replaces.
+  void freeGatheredOf(DsId id);
   // Declaration order is construction order: the executor context refers to everything above it.
   std::unique_ptr<Lanes> lanes_;
   std::unique_ptr<Communicator> comm_;
