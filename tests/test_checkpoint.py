@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _harness import multiproc
 from _harness.multiproc import require_world_size, run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, MLP, batch, build_model, make_optimizer
 
@@ -37,6 +38,11 @@ from _harness.parity_cases import GLOBAL_BATCH, MLP, batch, build_model, make_op
 # optimizer state (Adam restarting its moments) moves the parameters by ~lr = 1e-2.
 CROSS_TOL = dict(rtol=1e-5, atol=1e-6)
 TIMEOUT = 300
+# A resumed run is bitwise the uninterrupted one on CPU. CUDA kernels that add with atomics
+# (embedding backward, index_add) sum in a varying order, so two identical GPU runs already differ
+# in the last bits: there the continuation is compared at the fp32 tolerance above. Loading itself
+# is a copy and is compared exactly everywhere.
+RESUME_EXACT = multiproc.test_device_type() == "cpu"
 
 
 class DropoutMLP(MLP):
@@ -155,13 +161,15 @@ def _full_optimizer_state(engine):
     return full
 
 
-def _assert_bitwise(got, want, what):
+def _assert_bitwise(got, want, what, exact=True):
     assert got.keys() == want.keys(), f"{what}: {sorted(got)} != {sorted(want)}"
     for k in want:
         if isinstance(want[k], dict):
-            _assert_bitwise(got[k], want[k], f"{what}[{k}]")
-        else:
+            _assert_bitwise(got[k], want[k], f"{what}[{k}]", exact)
+        elif exact:
             assert torch.equal(got[k], want[k]), f"{what}[{k}] differs: max |diff| {(got[k] - want[k]).abs().max()}"
+        else:
+            torch.testing.assert_close(got[k], want[k], **CROSS_TOL, msg=lambda m: f"{what}[{k}]: {m}")
 
 
 def _state(engine):
@@ -223,9 +231,12 @@ def _resume_body(ctx, root, name, stage, gas, k, m, backend, compile_cfg):
     assert engine.global_steps == k and engine.micro_steps == k * gas
     assert engine.get_lr() == saved_lr
     rest = _train(engine, ctx, name, m, gas)
-    assert first + rest == straight, f"losses differ:\n{first + rest}\n{straight}"
-    _assert_bitwise(_state(engine), straight_state, "parameters")
-    _assert_bitwise(_full_optimizer_state(engine), straight_opt, "optimizer state")
+    if RESUME_EXACT:
+        assert first + rest == straight, f"losses differ:\n{first + rest}\n{straight}"
+    else:
+        torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(straight), **CROSS_TOL)
+    _assert_bitwise(_state(engine), straight_state, "parameters", RESUME_EXACT)
+    _assert_bitwise(_full_optimizer_state(engine), straight_opt, "optimizer state", RESUME_EXACT)
     if compile_cfg is not None:
         # The resumed run re-profiled at its first step and switched plans after it.
         assert engine.schedule_report(), "the resumed run did not re-plan the profile-guided schedule"
@@ -257,20 +268,20 @@ def test_resume_restores_buffers_zero1(tmp_path):
 # ---- another world size, another stage ------------------------------------------------------------
 
 
-def _reference(name, steps):
+def _reference(name, steps, device):
     """Single process, whole batches, AdamW + StepLR: losses and parameters."""
-    model = _model(name)
+    model = _model(name, device=device)
     opt = make_optimizer(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     losses = []
     for step in range(steps):
-        loss = model(*batch(_data_name(name), step))
+        loss = model(*batch(_data_name(name), step, device=device))
         loss.backward()
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
         sched.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _save_body(ctx, root, name, stage, k):
@@ -292,7 +303,7 @@ def _load_body(ctx, root, name, stage, k, m):
     _assert_bitwise(_full_optimizer_state(engine), expected["opt"], "optimizer state after loading")
     assert engine.get_lr() == expected["lr"] and engine.global_steps == k
     losses = expected["losses"] + _train(engine, ctx, name, m)
-    ref_losses, ref_state = _reference(name, k + m)
+    ref_losses, ref_state = _reference(name, k + m, ctx.device)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **CROSS_TOL)
     state = engine.full_state_dict()
     for key, value in ref_state.items():
@@ -323,6 +334,7 @@ def _mismatch_body(ctx, root):
     engine = _engine(ctx, "mlp", 3)
     _train(engine, ctx, "mlp", 1)
     engine.save_checkpoint(root)
+    saved = _state(engine)
     engine.destroy()
 
     def refused(name, match, **load_kw):
@@ -349,11 +361,9 @@ def _mismatch_body(ctx, root):
     # What the errors point to works: weights only into an SGD engine.
     engine = _engine(ctx, "mlp", 3, seed=999, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     engine.load_checkpoint(root, load_optimizer_states=False)
-    expected = _engine(ctx, "mlp", 3)
-    _train(expected, ctx, "mlp", 1)
-    _assert_bitwise(_state(engine), _state(expected), "weights loaded without optimizer state")
+    _assert_bitwise(_state(engine), saved, "weights loaded without optimizer state")
+    assert engine.global_steps == 1 and not engine.basic_optimizer.state
     engine.destroy()
-    expected.destroy()
 
 
 def test_checkpoint_of_another_model_or_optimizer_is_refused_naming_what_differs(tmp_path):
