@@ -364,6 +364,12 @@ def _mismatch_body(ctx, root):
     _assert_bitwise(_state(engine), saved, "weights loaded without optimizer state")
     assert engine.global_steps == 1 and not engine.basic_optimizer.state
     engine.destroy()
+    # ... and the module alone into an engine with neither that optimizer nor a schedule.
+    engine = _engine(ctx, "mlp", 3, seed=999, scheduler=None, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    engine.load_checkpoint(root, load_module_only=True)
+    _assert_bitwise(_state(engine), saved, "weights loaded with load_module_only")
+    assert engine.global_steps == 0
+    engine.destroy()
 
 
 def test_checkpoint_of_another_model_or_optimizer_is_refused_naming_what_differs(tmp_path):

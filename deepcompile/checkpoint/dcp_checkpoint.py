@@ -123,12 +123,14 @@ def _collect(engine, client_state: Dict[str, Any]):
     state_keys: Dict[str, List[str]] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
     for s in view.shards:
-        ranges.append(FlatRange(MODEL + s.name, s.numel, s.start, s.local.detach(), write_if_empty=rank0))
+        # A parameter without elements still gets one (empty) chunk, from rank 0, to be listed.
+        ranges.append(FlatRange(MODEL + s.name, s.numel, s.start, s.local.detach(), write_if_empty=rank0 and s.numel == 0))
         params[s.name] = {"shape": list(s.shape), "dtype": _dtype_name(s.local)}
         per_element, scalar = _split_optimizer_state(s.name, engine.sharding.shard_optimizer_state(s.ds_id),
                                                      s.end - s.start)
         for key, value in per_element.items():
-            ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, value.detach(), write_if_empty=rank0))
+            ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, value.detach(),
+                                    write_if_empty=rank0 and s.numel == 0))
         if per_element or scalar:
             state_keys[s.name] = sorted(per_element)
             scalars[s.name] = scalar

@@ -33,7 +33,8 @@ class FlatRange:
     start: int
     local: torch.Tensor
     # Write a zero-length chunk from this range even though it is empty: a tensor with no
-    # elements still needs one chunk to appear in the checkpoint (one rank does it).
+    # elements still needs one chunk to appear in the checkpoint (one rank does it). Only for
+    # those: DCP counts an empty chunk inside another rank's chunk as an overlap.
     write_if_empty: bool = False
 
     def __post_init__(self) -> None:
