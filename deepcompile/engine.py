@@ -199,6 +199,34 @@ class Engine:
 
         save_hf(self, directory, max_shard_size=max_shard_size)
 
+    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True) -> str:
+        """Save the training state as checkpoint ``<save_dir>/<tag>`` (default tag:
+        ``global_step<N>``), every rank writing its own shards (torch.distributed.checkpoint), and
+        with ``save_latest`` name it in ``<save_dir>/latest``. ``client_state`` (a picklable dict)
+        comes back from :meth:`load_checkpoint`. Collective; only at a gradient accumulation
+        boundary. Nothing becomes visible until every rank has written: a failed or cut-off save
+        leaves the directory as it was. Returns the checkpoint's directory (DeepSpeed: ``True``).
+        Format and behaviour: docs/design.md, "Checkpoints"."""
+        from deepcompile.checkpoint import dcp_checkpoint
+
+        return dcp_checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: Any, tag: Any = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load checkpoint ``<load_dir>/<tag>`` (default: the one ``latest`` names), saved at any
+        world size and ZeRO stage; returns ``(path, client_state)``. Restores the parameters, and
+        unless ``load_module_only``: the optimizer state and param groups
+        (``load_optimizer_states``), the LR scheduler (``load_lr_scheduler_states``), the step
+        counters and, at the same world size, every rank's random number generators. A missing,
+        empty, cut-off or mismatched checkpoint raises ``CheckpointError`` on every rank, before
+        anything of the engine changes (DeepSpeed returns ``(None, None)`` for a missing one).
+        Collective."""
+        from deepcompile.checkpoint import dcp_checkpoint
+
+        return dcp_checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                              load_module_only)
+
     def destroy(self) -> None:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut
         # every path from it to the engine's tensors.

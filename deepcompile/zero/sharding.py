@@ -131,6 +131,18 @@ class Sharding(abc.ABC):
         first step and for parameters the optimizer does not hold."""
 
     @abc.abstractmethod
+    def reset_optimizer_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Replace the optimizer's state by fresh entries to be filled in place (checkpoint
+        loading). ``state`` maps the ds id of each parameter that is to have state to its keys:
+        per-element state as ``None`` (allocated zero-filled, shaped like the fp32 master, so that
+        ``shard_optimizer_state`` then returns writable views of it) and scalar state with its
+        value (placed as torch's ``Optimizer.load_state_dict`` places it). Parameters not named
+        get no state, as before their first step. ZeRO-1/2 keep one state per param group: it
+        gets the union of its parameters' keys and, per scalar, the largest value given for them
+        (parameters stepped a different number of times, as ZeRO-3 can leave them, continue from
+        the most advanced count). Local: no collective."""
+
+    @abc.abstractmethod
     def sync_params_from_shards(self) -> None:
         """After writing ``ParamShard.local`` tensors: make the module compute with the new
         values (ZeRO-3: gathered copies become stale; ZeRO-1/2: the replicated parameters are
@@ -160,3 +172,30 @@ def optimizer_state_piece(state: Dict[str, Any], master: torch.Tensor, where: sl
         return value
 
     return {key: piece(value) for key, value in state.items()}
+
+
+def fresh_optimizer_state(keys: Dict[str, Any], master: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state entry for ``master`` (a 1-D master tensor) with the keys of
+    ``Sharding.reset_optimizer_state``: ``None`` -> zeros shaped like ``master``, a value -> that
+    value, placed by torch's rule: ``step`` stays where it is (a CPU scalar) unless the group is
+    ``capturable`` or ``fused`` (then fp32 on the master's device); other tensors go to the
+    master's device, floating ones in its dtype."""
+    out: Dict[str, Any] = {}
+    for key, value in keys.items():
+        if value is None:
+            out[key] = torch.zeros_like(master.detach())
+        elif not isinstance(value, torch.Tensor):
+            out[key] = value
+        elif key == "step":
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            out[key] = value.to(dtype=torch.float32, device=master.device) if on_device else value.clone()
+        elif value.is_floating_point():
+            out[key] = value.to(dtype=master.dtype, device=master.device)
+        else:
+            out[key] = value.to(device=master.device)
+    return out
+
+
+def largest_scalar(a: Any, b: Any) -> Any:
+    """The larger of two scalar optimizer state values (Python numbers or 0-d tensors)."""
+    return b if float(b) > float(a) else a

@@ -17,7 +17,7 @@ every micro-step into the partition.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
 from deepcompile.zero.grad_clip import clip_grad_norm_
-from deepcompile.zero.sharding import ParamShard, Sharding, optimizer_state_piece
+from deepcompile.zero.sharding import (ParamShard, Sharding, fresh_optimizer_state, largest_scalar,
+                                       optimizer_state_piece)
 
 
 class Zero12Sharding(Sharding):
@@ -204,6 +205,20 @@ class Zero12Sharding(Sharding):
                 where = piece.in_partition if piece.owned else slice(0, 0)
                 return optimizer_state_piece(self.optimizer.state.get(g.master, {}), g.master, where)
         return {}
+
+    def reset_optimizer_state(self, state: Dict[int, Dict[str, Any]]) -> None:
+        # One flat master per param group, in the optimizer's group order (__init__).
+        for g, group_dict in zip(self.groups, self.optimizer.param_groups):
+            self.optimizer.state.pop(g.master, None)
+            merged: Dict[str, Any] = {}
+            for ds_id in g.ds_ids:
+                for key, value in state.get(ds_id, {}).items():
+                    if (value is None) != (merged.get(key, value) is None):
+                        raise ValueError(f"optimizer state {key!r} is per-element for some parameters of a param "
+                                         "group and a scalar for others")
+                    merged[key] = value if value is None or key not in merged else largest_scalar(merged[key], value)
+            if merged:
+                self.optimizer.state[g.master] = fresh_optimizer_state(merged, g.master, group_dict)
 
     def sync_params_from_shards(self) -> None:
         self._state_on_device()

@@ -13,7 +13,7 @@ from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.partition import ShardedParam, partition_parameters
-from deepcompile.zero.sharding import ParamShard, Sharding, optimizer_state_piece
+from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_state, optimizer_state_piece
 
 
 class Zero3Sharding(Sharding):
@@ -116,6 +116,17 @@ class Zero3Sharding(Sharding):
             return {}
         start, end = self._range(sp)
         return optimizer_state_piece(self.optimizer.optimizer.state.get(sp.master, {}), sp.master, slice(0, end - start))
+
+    def reset_optimizer_state(self, state: Dict[int, Dict[str, object]]) -> None:
+        opt = self.optimizer.optimizer
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        for sp in self.params:
+            if sp.master is None:
+                continue
+            opt.state.pop(sp.master, None)
+            keys = state.get(sp.ds_id)
+            if keys and id(sp.master) in group_of:
+                opt.state[sp.master] = fresh_optimizer_state(keys, sp.master, group_of[id(sp.master)])
 
     def sync_params_from_shards(self) -> None:
         runtime.invalidate_all_gathered()
