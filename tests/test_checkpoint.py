@@ -173,7 +173,7 @@ def _assert_bitwise(got, want, what, exact=True):
 
 
 def _state(engine):
-    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+    return {k: v.clone() for k, v in engine.full_state_dict(all_ranks=True).items()}
 
 
 # ---- exact resume ---------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def _load_body(ctx, root, name, stage, k, m):
     losses = expected["losses"] + _train(engine, ctx, name, m)
     ref_losses, ref_state = _reference(name, k + m, ctx.device)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **CROSS_TOL)
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key].float(), value.float(), **CROSS_TOL, msg=lambda msg: f"{key}: {msg}")
     engine.destroy()

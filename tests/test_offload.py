@@ -111,7 +111,7 @@ def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None):
         losses.append(total.item() / world)
         if between_steps is not None and (step + 1) % gas == 0:
             between_steps(engine, step)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()}), engine
+    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}), engine
 
 
 def _check_offloaded_between_steps(expect_all: bool):
@@ -278,8 +278,9 @@ def _state_access_body(ctx, stage):
         e.backward(e(a[rank * n: (rank + 1) * n], b[rank * n: (rank + 1) * n]))
         e.step()
     assert engine.offload.offloaded_units()
-    for key, value in base_engine.full_state_dict().items():
-        assert torch.equal(engine.full_state_dict()[key], value), key
+    offloaded_state = engine.full_state_dict(all_ranks=True)
+    for key, value in base_engine.full_state_dict(all_ranks=True).items():
+        assert torch.equal(offloaded_state[key], value), key
     base_engine.destroy()
     engine.destroy()
 
@@ -384,7 +385,7 @@ def _gpu_body(ctx, stage: int, steps: int, early: int):
                 readings["offloaded_blocks"] = mem.bytes_of([u.device_bytes for u in units])
                 readings["offloaded_bytes"] = sum(u.nbytes for u in units)
                 assert back - readings[early] == readings["offloaded_blocks"], (back, readings)
-        params = {k: v.float() for k, v in engine.full_state_dict().items()}
+        params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
         engine.destroy()
         return torch.stack(losses).float().cpu(), params, readings
 

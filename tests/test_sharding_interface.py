@@ -198,7 +198,7 @@ def _reset_optimizer_state_body(ctx, stage, name):
         reference(*batch(name, step, device=ctx.device)).backward()
         opt.step()
         opt.zero_grad()
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value.detach().cpu(), **TOL, msg=lambda m: f"{key}: {m}")
 
