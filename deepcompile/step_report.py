@@ -136,6 +136,7 @@ class StepReport:
             "lr": list(lrs),
             "loss": loss_sum / micro_steps if micro_steps else None,
             "grad_norm": norm,
+            "tokens": tokens if counted else None,  # all ranks', since the previous line
             "tokens_per_s": tokens / elapsed if counted and elapsed > 0 else None,
             "peak_memory_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                                   else None),
