@@ -343,7 +343,9 @@ def _memory_body(ctx, source, width, depth):
         # The caching allocator rounds every tensor up to 512 bytes; per parameter a shard, a
         # placeholder and a check flag live on: 3 blocks of slack each.
         assert device_peak <= bound + 3 * 512 * len(list(model.parameters())), (device_peak, bound, n)
-        assert host_peak <= 64 * 1024, host_peak  # nothing of the model passes through the host
+        # Nothing of the model passes through the host: less than a quarter of one layer's weight
+        # (the random generator states, flags and the runtime's setup are a few KiB).
+        assert host_peak <= 1024 * 1024, host_peak
     else:
         print(f"peak host bytes {host_peak}, bound {bound:.0f}, model {4 * n}, world {world}")
         assert host_peak <= bound, (host_peak, bound, n, world)
