@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import debug_checks, optim_builder, runtime
+from deepcompile import compat, debug_checks, optim_builder, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
@@ -23,6 +23,7 @@ from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
 from deepcompile.step_report import StepReport
+from deepcompile.zero.materialize import InitFn, training_device
 from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
@@ -38,16 +39,22 @@ def _check_implemented(config: Config) -> None:
 
 
 def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                   group: dist.ProcessGroup) -> Sharding:
+                   group: dist.ProcessGroup, device: torch.device, init_fn: Optional[InitFn]) -> Sharding:
     stage = config.zero_optimization.stage
     if stage == 3:
-        return Zero3Sharding(model, optimizer, config, group)
-    return Zero12Sharding(model, optimizer, config, group, stage)
+        return Zero3Sharding(model, optimizer, config, group, device=device, init_fn=init_fn)
+    return Zero12Sharding(model, optimizer, config, group, stage, device=device, init_fn=init_fn)
+
+
+def _listed(names: List[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class Engine:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Config,
-                 lr_scheduler: Any = None, model_parameters: Any = None):
+                 lr_scheduler: Any = None, model_parameters: Any = None, init_fn: Optional[InitFn] = None,
+                 device: Union[str, torch.device, None] = None):
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -57,14 +64,24 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
-        self.device = next(model.parameters()).device
+        # Where parameters are materialised and trained (zero/materialize.py: training_device).
+        self.device = training_device(model, device, self.group)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the runtime's streams and communicator use it
         _check_implemented(config)
         if config.bf16.enabled:
             optim_builder.cast_floating_parameters(model, torch.bfloat16)
         optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
-        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group)
+        # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
+        # holds its shards plus one module's parameters at a time) and partitions it.
+        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group, self.device, init_fn)
+        # Floating-point buffers a meta model left without value (no init_fn): checked once, at
+        # the first forward, together with sharding.unset_params.
+        self._unset_buffers = list(self.sharding.materialized.unset_buffers)
+        self._init_checked = False
+        self._global_grad_norm: Optional[torch.Tensor] = None
         self.optimizer = self.sharding.optimizer
         # The torch optimizer itself (ZeRO-3 wraps it): what schedules and get_lr() act on.
         self.basic_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -107,16 +124,24 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._init_checked:
+            self._check_initialised()
         self.scheduler.begin_micro_step(self.global_steps,
                                         first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
                                         can_profile=self.compiled_module.has_backends)
         module = self._compiled if self._compiled is not None else self.module
+        self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
         out = module(*args, **kwargs)
         self.step_report.stop("forward")
         return out
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None) -> None:
+        """Backward of ``loss`` (divided by gradient_accumulation_steps). ``tokens``: the number
+        of tokens this micro-step trained on, for the tokens/s of ``steps_per_print`` (an int or a
+        device tensor, e.g. ``attention_mask.sum()``); default: the elements of the forward's
+        ``input_ids`` argument, or of its first integer tensor argument."""
+        self.step_report.after_micro_step(loss, tokens)
         self.sharding.start_backward(self.is_gradient_accumulation_boundary())
         if self.offload is not None:
             self.offload.before_backward(self.is_gradient_accumulation_boundary())
@@ -132,17 +157,21 @@ class Engine:
         if self._ledger is not None:
             debug_checks.check_finite("the loss", {"loss": loss.detach()})
 
-    def step(self) -> None:
+    def step(self) -> Optional[torch.Tensor]:
+        """The optimizer step at an accumulation boundary (a no-op between). Returns the global
+        gradient norm before clipping (a 0-dim tensor on the device: reading it synchronises)
+        at a boundary, else None."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
-            return
+            return None
         if self._ledger is not None:
             self._check_window()
         self.step_report.start("step")
         if self.offload is not None:
             self.offload.before_step()
-        self.sharding.step(self.config.gradient_clipping)
+        norm = self.sharding.step(self.config.gradient_clipping)
+        self._global_grad_norm = norm
         if self.offload is not None:
             self.offload.after_step()
         # As DeepSpeed: the schedule advances once per optimizer step, at the accumulation boundary.
@@ -150,11 +179,41 @@ class Engine:
             self.lr_scheduler.step()
         self.step_report.stop("step")
         self.global_steps += 1
-        self.step_report.after_optimizer_step(self.global_steps, self.get_lr())
+        self.step_report.after_optimizer_step(self.global_steps, self.get_lr(), norm, self.group)
         if self.scheduler.on_optimizer_step(self.global_steps):
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
                 self._compiled = recompiled
+        return norm
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The global L2 norm of the last optimizer step's gradients, before clipping (as
+        ``torch.nn.utils.clip_grad_norm_`` returns it); None before the first step. Computed at
+        every step, on every stage, whether or not gradient_clipping is set."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    def _check_initialised(self) -> None:
+        """Before the first forward: every parameter and buffer has a value. Raised on every rank
+        together (the lists are the same on every rank; the buffer check is one all-reduce)."""
+        unset = list(self.sharding.unset_params)
+        if unset:
+            raise RuntimeError(
+                f"deepcompile: parameters {_listed(unset)} have no values: the model was built on the meta device and "
+                "initialize got no init_fn. Pass init_fn= to deepcompile.initialize, or load weights (write every "
+                "engine.sharding.shards() piece, then call engine.sharding.sync_params_from_shards()) before the "
+                "first forward")
+        if self._unset_buffers:
+            flags = torch.stack([compat.direct_buffers(m)[key].isnan().any() for _, m, key in self._unset_buffers])
+            flags = flags.to(device=self.device, dtype=torch.int32)
+            dist.all_reduce(flags, group=self.group)
+            nan = [name for (name, _, _), n in zip(self._unset_buffers, flags.tolist()) if n]
+            if nan:
+                raise RuntimeError(
+                    f"deepcompile: buffers {_listed(nan)} have no values: the model was built on the meta device and "
+                    "initialize got no init_fn. Pass init_fn= (it must set buffers, e.g. transformers' "
+                    "model._init_weights), or assign them before the first forward")
+            self._unset_buffers = []
+        self._init_checked = True
 
     def get_lr(self) -> List[float]:
         """The learning rate of each optimizer param group, as the next optimizer step uses it."""
@@ -248,6 +307,8 @@ def initialize(
     *,
     lr_scheduler: Any = None,
     model_parameters: Any = None,
+    init_fn: Optional[InitFn] = None,
+    device: Union[str, torch.device, None] = None,
 ) -> Engine:
     """Partition ``model`` and ``optimizer`` over the default process group and return the engine.
 
@@ -256,8 +317,17 @@ def initialize(
     or ``lr_scheduler`` (a scheduler of ``optimizer`` or a callable taking the optimizer), becomes
     ``engine.lr_scheduler``, stepped once per optimizer step. An object and a section for the same
     thing together are an error (docs/config.md).
+
+    ``model`` may be on the ``meta`` device, on the CPU or on the training device; each rank
+    materialises only what it keeps (ZeRO-3: its shards, one module's full parameters at a time),
+    on ``device`` (default: the parameters' accelerator, else ``cuda:$LOCAL_RANK`` when CUDA is
+    available and the process group runs NCCL, else the CPU). ``init_fn(module)`` initialises the
+    parameters and buffers a module owns directly, in place (like ``reset_parameters``), with
+    rank 0's random generator state on every rank (``zero/materialize.py``). Without it, rank
+    0's values are used; parameters that are on ``meta`` on rank 0 have none until a loader
+    writes the shards and calls ``engine.sharding.sync_params_from_shards()``.
     """
     if config is None:
         raise TypeError("deepcompile.initialize needs a config (a dict, a path to a JSON file or a deepcompile.Config)")
     return Engine(model, optimizer, Config.from_any(config), lr_scheduler=lr_scheduler,
-                  model_parameters=model_parameters)
+                  model_parameters=model_parameters, init_fn=init_fn, device=device)

@@ -363,6 +363,18 @@ def test_direct_parameters_and_swap_parameter():
     assert lin.weight is original and isinstance(lin.weight, torch.nn.Parameter)
 
 
+def test_direct_buffers():
+    norm = torch.nn.BatchNorm1d(3)
+    norm.register_buffer("absent", None)
+    buffers = compat.direct_buffers(norm)
+    assert buffers["running_mean"] is norm.running_mean and buffers["absent"] is None
+    seq = torch.nn.Sequential(norm)
+    assert dict(compat.direct_buffers(seq)) == {}  # a child's buffers are not the parent's
+    replacement = torch.ones(3)
+    setattr(norm, "running_mean", replacement)  # assignment writes the same live dict
+    assert buffers["running_mean"] is replacement
+
+
 def test_foreach_norm_and_foreach_mul_():
     a, b = torch.tensor([3.0, 4.0]), torch.tensor([6.0, 8.0])
     assert [float(n) for n in compat.foreach_norm([a, b])] == [5.0, 10.0]

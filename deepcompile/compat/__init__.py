@@ -10,7 +10,7 @@ one, so a torch upgrade that moves something fails there, in a test named after 
 * ``dynamo``: registering the ``"deepcompile"`` backend name, the fake values of Dynamo's graphs,
   which frames Dynamo compiles;
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
-* ``modules``: swapping a module's registered parameter for a gathered tensor;
+* ``modules``: a module's own parameters and buffers; swapping a registered parameter for a gathered tensor;
 * ``tensors``: multi-tensor (foreach) kernels, storage identity.
 """
 
@@ -53,7 +53,7 @@ from deepcompile.compat.inductor import (
     inductor_joint_graph_passes,
     protect_runtime_buffers_in_inductor,
 )
-from deepcompile.compat.modules import direct_parameters, swap_parameter
+from deepcompile.compat.modules import direct_buffers, direct_parameters, swap_parameter
 from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -62,6 +62,7 @@ __all__ = [
     "TORCH_VERSION",
     "aot_backend",
     "boxed",
+    "direct_buffers",
     "direct_parameters",
     "eager_input_vals",
     "foreach_mul_",

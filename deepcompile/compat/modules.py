@@ -14,6 +14,13 @@ def direct_parameters(module: nn.Module) -> Dict[str, Optional[nn.Parameter]]:
     return module._parameters
 
 
+def direct_buffers(module: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """The buffers registered on ``module`` itself (not its children), by attribute name, as the
+    live dict the module reads them from (``None``: registered as absent). Relies on
+    ``nn.Module._buffers``."""
+    return module._buffers
+
+
 def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
     """Make ``module.<name>`` read ``value`` (any tensor, e.g. a non-leaf produced by an autograd
     function) until swapped back, bypassing ``nn.Module.__setattr__``'s check that a registered

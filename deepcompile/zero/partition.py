@@ -17,11 +17,13 @@ parameters keep their shard in the parameter's dtype.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from deepcompile.zero.materialize import InitFn, Materialized, materialize
 
 
 def make_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -51,59 +53,65 @@ class ShardedParam:
         return self.param.requires_grad
 
 
-def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's (ppr,) slice of the flattened, zero-padded tensor."""
+def shard_of(full: torch.Tensor, rank: int, world: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """This rank's (ppr,) slice of the flattened, zero-padded tensor, in ``dtype`` (default:
+    ``full``'s). Only the slice is allocated, never a padded copy of the whole tensor."""
     flat = full.detach().reshape(-1)
-    ppr = -(-flat.numel() // world)
-    padded = torch.zeros(ppr * world, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    return padded[rank * ppr : (rank + 1) * ppr].clone()
-
-
-def _broadcast_from_first_rank(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    # gloo cannot broadcast every half type on every torch version; fp32 carries them exactly.
-    staged = t.float().contiguous() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t.contiguous()
-    dist.broadcast(staged, src=src, group=group)
-    return staged.to(t.dtype)
+    numel = flat.numel()
+    ppr = -(-numel // world)
+    start = min(rank * ppr, numel)
+    end = min(start + ppr, numel)
+    shard = torch.zeros(ppr, dtype=dtype or flat.dtype, device=flat.device)
+    shard[: end - start] = flat[start:end]
+    return shard
 
 
 def partition_parameters(
-    module: nn.Module, persistence_threshold: int, group: Optional[dist.ProcessGroup] = None
-) -> List[ShardedParam]:
-    """Shard every parameter of ``module`` (tied parameters once) and install placeholders.
+    module: nn.Module,
+    persistence_threshold: int,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    device: Optional[torch.device] = None,
+    init_fn: Optional[InitFn] = None,
+) -> Tuple[List[ShardedParam], Materialized]:
+    """Shard every parameter of ``module`` (tied parameters once) on ``device`` and install
+    placeholders; returns the sharded parameters (ds ids in ``named_parameters`` order) and what
+    could not be given a value (a ``meta`` model without ``init_fn``).
 
-    Every rank must start from identical parameters: rank 0's values are broadcast first so that
-    differently seeded ranks still train one model.
+    Parameters are materialised module by module (``materialize.py``: from ``init_fn``, rank 0's
+    values, or left unset) and each is cut to this rank's shard as soon as its value is final, so
+    a rank holds its shards plus one module's full parameters at a time: peak memory is
+    O(numel / world + the largest module's parameters).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    sharded: List[ShardedParam] = []
-    seen: Dict[int, ShardedParam] = {}
+    if device is None:
+        device = next(module.parameters()).device
+    order: Dict[int, Tuple[int, str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            continue
-        with torch.no_grad():
-            full = _broadcast_from_first_rank(param.data, group)
-        numel = full.numel()
-        ppr = -(-numel // world)
-        shard = shard_of(full, rank, world)
-        if param.requires_grad:
-            # The master copy is the shard: fp32 values of the (identical) parameter values.
-            # For an fp32 parameter this is the shard itself, not a copy.
-            shard = shard.float()
-        sp = ShardedParam(
-            ds_id=len(sharded),
+        order.setdefault(id(param), (len(order), name))
+    slots: List[Optional[ShardedParam]] = [None] * len(order)
+
+    def cut(param: nn.Parameter) -> None:
+        ds_id, name = order[id(param)]
+        numel = param.numel()
+        # A trainable parameter's shard is its fp32 master copy (for an fp32 parameter the
+        # shard itself, not a copy); a frozen one keeps the parameter's dtype.
+        shard = shard_of(param.data, rank, world, torch.float32 if param.requires_grad else param.dtype)
+        slots[ds_id] = ShardedParam(
+            ds_id=ds_id,
             name=name,
             param=param,
             shape=param.shape,
             numel=numel,
-            ppr=ppr,
+            ppr=shard.numel(),
             shard=shard,
             persistent=numel <= persistence_threshold,
             gather_dtype=param.dtype,
         )
-        param.data = make_placeholder(param.shape, param.dtype, param.device)
-        param.ds_id = sp.ds_id  # lets graph passes and users identify partitioned parameters
-        seen[id(param)] = sp
-        sharded.append(sp)
-    return sharded
+        # Frees the full tensor (the module held the only reference).
+        param.data = make_placeholder(param.shape, param.dtype, device)
+        param.ds_id = ds_id  # lets graph passes and users identify partitioned parameters
+
+    materialized = materialize(module, device, group, init_fn, cut)
+    assert all(sp is not None for sp in slots), "a parameter was never materialised"
+    return slots, materialized

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,7 +48,10 @@ class Sharding(abc.ABC):
     * ``stage``: 1, 2 or 3;
     * ``optimizer``: what ``engine.optimizer`` is (the stage's optimizer front);
     * ``ds_id_of``: ``id(parameter) -> ds id`` of every parameter registered with the runtime;
-      the backend maps graph inputs to parameters through it.
+      the backend maps graph inputs to parameters through it;
+    * ``unset_params``: names of the parameters that have no value yet (a ``meta`` model
+      initialised without ``init_fn``, ``zero/materialize.py``); ``sync_params_from_shards``
+      recomputes it from the shards, and the engine refuses to train while it is not empty.
     """
 
     stage: int
@@ -67,6 +70,7 @@ class Sharding(abc.ABC):
     def _state_on_device(self) -> None:
         if self.before_state_access is not None:
             self.before_state_access()
+    unset_params: Sequence[str] = ()
 
     # ---- the training loop ----------------------------------------------------------------
 
@@ -77,10 +81,12 @@ class Sharding(abc.ABC):
         accumulation window for this backward."""
 
     @abc.abstractmethod
-    def step(self, gradient_clipping: float) -> None:
+    def step(self, gradient_clipping: float) -> torch.Tensor:
         """The optimizer step at an accumulation boundary: clip the reduced gradients to the
         global norm ``gradient_clipping`` (0: no clipping), update the master weights, drop the
-        gradient partitions and make the module's parameters reflect the update."""
+        gradient partitions and make the module's parameters reflect the update. Returns the
+        global L2 norm of the gradients before clipping (a 0-dim fp32 tensor on the device,
+        computed every step; reading it is the caller's host synchronisation)."""
 
     @abc.abstractmethod
     def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
@@ -146,7 +152,9 @@ class Sharding(abc.ABC):
     def sync_params_from_shards(self) -> None:
         """After writing ``ParamShard.local`` tensors: make the module compute with the new
         values (ZeRO-3: gathered copies become stale; ZeRO-1/2: the replicated parameters are
-        refreshed from the masters). Collective: every rank must call it."""
+        refreshed from the masters), and recompute ``unset_params`` (a loader that wrote every
+        shard of a ``meta``-initialised model makes it empty). Collective: every rank must call
+        it."""
 
     def full_params(self) -> Iterator[Tuple[ParamShard, Optional[torch.Tensor]]]:
         """Every parameter ``shards()`` lists, in full and in the parameter's dtype, one at a time:

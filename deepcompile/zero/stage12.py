@@ -28,6 +28,7 @@ from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
 from deepcompile.zero.grad_clip import clip_grad_norm_
+from deepcompile.zero.materialize import InitFn, materialize, still_unset
 from deepcompile.zero.sharding import (ParamShard, Sharding, fresh_optimizer_state, largest_scalar,
                                        optimizer_state_piece)
 
@@ -36,7 +37,7 @@ class Zero12Sharding(Sharding):
     masters_offloadable = True  # the master partitions are read by the step only
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
-                 stage: int):
+                 stage: int, device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None):
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
         self.stage = stage
@@ -49,9 +50,11 @@ class Zero12Sharding(Sharding):
             self._names.setdefault(id(p), n)
         self.ds_id_of: Dict[int, int] = {}
         self.groups: List[GroupPartition] = []
-        with torch.no_grad():
-            for p in model.parameters():  # identical replicas on every rank
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        # Identical full replicas on every rank (rank 0's values, init_fn's or unset), module by
+        # module; nothing is sharded here, so the whole model is on every rank.
+        self.device = device if device is not None else next(model.parameters()).device
+        self.materialized = materialize(model, self.device, group, init_fn, on_final=lambda p: None)
+        self.unset_params = list(self.materialized.unset_params)
         for group_dict in optimizer.param_groups:
             params = [p for p in group_dict["params"] if p.requires_grad]
             for p in group_dict["params"]:
@@ -102,13 +105,12 @@ class Zero12Sharding(Sharding):
                 if piece.owned:
                     runtime.bind_grad_target(piece.ds_id, g.grad[piece.in_partition], zero=False)
 
-    def step(self, gradient_clipping: float) -> None:
+    def step(self, gradient_clipping: float) -> torch.Tensor:
         # The optimizer-facing partitions exist: the runtime lets go of them before the step.
         runtime.unbind_grad_targets()
         grads = [g.grad if g.grad is not None else torch.zeros_like(g.master) for g in self.groups]
-        if gradient_clipping > 0:
-            device = self.groups[0].master.device if self.groups else torch.device("cpu")
-            clip_grad_norm_(grads, gradient_clipping, self.group, device)
+        # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
+        norm = clip_grad_norm_(grads, gradient_clipping, self.group, self.device)
         # A parameter that got no gradient in this window keeps its values, as torch skips it.
         # (Its slice of the flat optimizer state still advances with a zero gradient.)
         untouched = self._unreduced_slices()
@@ -122,6 +124,7 @@ class Zero12Sharding(Sharding):
             g.master.grad = None
             g.grad = None
         self._gather_updated_params()
+        return norm
 
     def _unreduced_slices(self):
         saved = []
@@ -223,4 +226,5 @@ class Zero12Sharding(Sharding):
     def sync_params_from_shards(self) -> None:
         self._state_on_device()
         self._gather_updated_params()
+        self.unset_params = still_unset(self, self.unset_params, self.group, self.device)
 

@@ -12,6 +12,7 @@ from deepcompile import compat, runtime
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
+from deepcompile.zero.materialize import InitFn, still_unset
 from deepcompile.zero.partition import ShardedParam, partition_parameters
 from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_state, optimizer_state_piece
 
@@ -19,13 +20,18 @@ from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_stat
 class Zero3Sharding(Sharding):
     stage = 3
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup]):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
+                 device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None):
         self.module = model
         self.group = group
         self.rank = dist.get_rank(group)
-        self.params: List[ShardedParam] = partition_parameters(
-            model, config.zero_optimization.stage3_param_persistence_threshold, group
+        self.group = group
+        self.params: List[ShardedParam]
+        self.params, self.materialized = partition_parameters(
+            model, config.zero_optimization.stage3_param_persistence_threshold, group, device=device, init_fn=init_fn
         )
+        self.device = self.params[0].shard.device if self.params else torch.device(device or "cpu")
+        self.unset_params = list(self.materialized.unset_params)
         self.optimizer = ShardedOptimizer(optimizer, self.params, group)
         # communication_data_type: trainable gradients are reduced in this dtype, and their
         # partitions are allocated in it (fp32 unless "bf16").
@@ -48,14 +54,15 @@ class Zero3Sharding(Sharding):
         # reduction in the window.
         runtime.start_backward(boundary)
 
-    def step(self, gradient_clipping: float) -> None:
-        if gradient_clipping > 0:
-            self.optimizer.clip_grad_norm(gradient_clipping)
+    def step(self, gradient_clipping: float) -> torch.Tensor:
+        # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
+        norm = self.optimizer.clip_grad_norm(gradient_clipping)
         self.optimizer.step()
         self.optimizer.zero_grad()
         # The master shards (the gather sources) changed in place: gathered copies (persistent
         # ones included) are stale.
         runtime.invalidate_all_gathered()
+        return norm
 
     def run_as_leaves(self, readers: List[torch.Tensor]) -> List[Tuple[str, nn.Module]]:
         """Every module class that directly owns a partitioned parameter sharing storage with one
@@ -130,4 +137,5 @@ class Zero3Sharding(Sharding):
 
     def sync_params_from_shards(self) -> None:
         runtime.invalidate_all_gathered()
+        self.unset_params = still_unset(self, self.unset_params, self.group, self.device)
 
