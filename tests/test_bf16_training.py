@@ -54,7 +54,7 @@ def _train(ctx, name, model, stage, init_fn=None):
         state = engine.sharding.shard_optimizer_state(s.ds_id)
         assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
     masters = {s.name: s.local.clone() for s in shards}
-    state = engine.full_state_dict()
+    state = engine.full_state_dict(all_ranks=True)
     engine.destroy()
     return losses, masters, state
 

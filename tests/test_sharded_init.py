@@ -91,7 +91,7 @@ def train(engine, name, steps, device):
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()})
+    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
 
 
 def train_single(model, name, steps, device):
@@ -125,7 +125,7 @@ def _meta_init_body(ctx, stage, tie, backend):
                                     init_fn=hf_init(model), device=ctx.device)
     assert torch.initial_seed() == SEED + ctx.rank  # each rank's own generator is left alone
     ref = reference_init(lambda: LlamaLoss(tie=tie), None, ctx.device)
-    got = engine.full_state_dict()
+    got = engine.full_state_dict(all_ranks=True)
     want = ref.state_dict()
     assert set(got) == set(want)
     for key in want:  # the same kernels from the same generator state: bit-identical
@@ -155,7 +155,7 @@ def _tied_reset_body(ctx):
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), zero_config(3), init_fn=reset_init,
                                     device=ctx.device)
     ref = reference_init(TiedEmbeddingLM, reset_init, ctx.device)
-    got = engine.full_state_dict()
+    got = engine.full_state_dict(all_ranks=True)
     # The shared weight was initialised by both owners, the head last (Linear's init), as in the loop.
     for key, value in ref.state_dict().items():
         assert torch.equal(got[key], value.cpu()), key
@@ -178,7 +178,7 @@ def _rank0_values_body(ctx, stage, others_on_meta):
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), zero_config(stage), device=ctx.device)
     torch.manual_seed(SEED)
     want = LlamaLoss().state_dict()
-    got = engine.full_state_dict()
+    got = engine.full_state_dict(all_ranks=True)
     for key in want:
         assert torch.equal(got[key], want[key]), key
     engine.destroy()
