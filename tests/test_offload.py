@@ -370,7 +370,8 @@ def _gpu_body(ctx, stage: int, steps: int, early: int):
             loss = engine(x[rank * bsz:(rank + 1) * bsz], y[rank * bsz:(rank + 1) * bsz])
             engine.backward(loss)
             engine.step()
-            losses.append(loss.detach().clone())
+            # On the host: a device copy per step would itself grow memory between the readings.
+            losses.append(loss.detach().cpu())
             if step + 1 in (early, steps):
                 readings[step + 1] = mem.settle()
             if offload and step + 1 == early:
@@ -387,7 +388,7 @@ def _gpu_body(ctx, stage: int, steps: int, early: int):
                 assert back - readings[early] == readings["offloaded_blocks"], (back, readings)
         params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
         engine.destroy()
-        return torch.stack(losses).float().cpu(), params, readings
+        return torch.stack(losses).float(), params, readings
 
     base_losses, base_params, base_mem = run(offload=False)
     losses, params, got_mem = run(offload=True)
