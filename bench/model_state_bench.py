@@ -57,7 +57,7 @@ class HostPeak:
             time.sleep(self.interval)
 
     def __enter__(self) -> "HostPeak":
-        self.peak = self.rss()
+        self.start = self.peak = self.rss()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -120,7 +120,7 @@ def phase(name: str, rows: List[dict], device: torch.device, fn: Callable[[], Op
     rows.append({
         "phase": name, "seconds": seconds,
         "device_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "host_peak": host.peak, "bytes": moved,
+        "host_start": host.start, "host_peak": host.peak, "bytes": moved,
     })
     print(f"{name}: {seconds:.1f} s", flush=True)
 
@@ -221,14 +221,14 @@ def report(args, rows, bandwidth, n_params, largest, shard_bytes, device, world)
         f"- disk ({args.dir}), dd with direct I/O, {args.dd_mib} MiB: write {bandwidth['write']:.2f} GB/s, "
         f"read {bandwidth['read']:.2f} GB/s",
         "",
-        "| phase | time (s) | data (GB) | GB/s | device peak (GiB) | host peak RSS (GiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| phase | time (s) | data (GB) | GB/s | device peak (GiB) | host RSS at start (GiB) | host peak RSS (GiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         data = f"{r['bytes'] / GB:.2f}" if r["bytes"] else ""
         rate = f"{r['bytes'] / GB / r['seconds']:.2f}" if r["bytes"] else ""
         dev = f"{r['device_peak'] / GIB:.2f}" if r["device_peak"] is not None else "n/a"
-        lines.append(f"| {r['phase']} | {r['seconds']:.1f} | {data} | {rate} | {dev} | {r['host_peak'] / GIB:.2f} |")
+        lines.append(f"| {r['phase']} | {r['seconds']:.1f} | {data} | {rate} | {dev} | {r['host_start'] / GIB:.2f} | {r['host_peak'] / GIB:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.markdown:
