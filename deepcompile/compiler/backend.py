@@ -200,7 +200,7 @@ class DeepCompileBackend:
                 apply_prefetch(gm, record.graph_id, plan)
                 gm.recompile()
         profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
-        if half_plan is not None and is_backward and self.inner == "inductor" and self.driver.wants_profile(signature):
+        if half_plan is not None and self.inner == "inductor" and self.driver.wants_profile(signature):
             # Its first run is profiled, and a re-plan may replace it before it runs compiled.
             compiled = None
             half_plan.defer(gm)
@@ -299,7 +299,7 @@ class _ProfiledCallable:
 
     def run_compiled(self, boxed: List[Any]):
         if self.compiled is None:
-            self.gm, self.compiled = self.plan.compile_pending(self.gm)
+            self.gm, self.compiled = self.plan.compile_pending()
         return self.compiled(boxed)
 
     def detach(self) -> None:

@@ -9,13 +9,14 @@ the optional passes are re-applied to a copy of ``base``; a half whose resulting
 one it already runs keeps its compiled code; the others get the new graph, compiled when they
 first run compiled (a half that never runs again is never compiled). Nothing is traced again.
 
-A forward half's saved activations may have Inductor-chosen strides, and its backward was
-compiled for those: a re-planned forward whose output strides differ keeps its previous graph
-and code instead (with a warning); the backward is untouched either way.
+A half compiled while its micro-step is profiled runs through the profiler first: its Inductor
+compile is deferred to its first compiled run. With ``warmup_steps`` 1 (profile step 0, re-plan
+after it) the plain graphs are therefore never compiled at all.
 
-A backward compiled while its micro-step is profiled runs through the profiler first: its
-Inductor compile is deferred to its first compiled run. With ``warmup_steps`` 1 (profile step 0,
-re-plan after it) the plain backward is therefore never compiled at all.
+A forward's saved activations may get Inductor-chosen strides, and its backward is compiled for
+the strides the forward first had: Inductor's, or the eager ones when the first forward compile
+was deferred. Outputs of a later forward compile whose strides differ are copied into those (in
+practice the compute, hence the layout, is the same: the plans only add communication ops).
 
 Halves with symbolic input sizes are not re-planned in place: a later compile could add shape
 guards that Dynamo never installed. If any live half is such, the module is re-planned the
@@ -51,11 +52,11 @@ class HalfPlan:
 
     ``base``: the graph after the ZeRO pass, before the optional passes; ``compile_later``:
     compiles a graph of this half for its original inputs; ``pending``: the graph to compile at
-    the next compiled run (None: ``compiled`` is current); ``strides``: the output strides of
-    the compiled forward that the backward was compiled against (None: nothing to keep).
+    the next compiled run (None: the half's code is current); ``strides`` (forward halves): per
+    output, the strides its backward was compiled against (None: not known or not a tensor).
     """
 
-    __slots__ = ("base", "graph_id", "phase", "compile_later", "pending", "fallback", "strides")
+    __slots__ = ("base", "graph_id", "phase", "compile_later", "pending", "strides")
 
     def __init__(self, base: GraphModule, graph_id: int, phase: str, compile_later: Callable[[GraphModule], Callable]):
         self.base = base
@@ -63,31 +64,70 @@ class HalfPlan:
         self.phase = phase
         self.compile_later = compile_later
         self.pending: Optional[GraphModule] = None
-        self.fallback: Optional[Tuple[GraphModule, Callable]] = None  # (graph, code) to keep on a stride mismatch
-        self.strides: Optional[List[Any]] = None
+        self.strides: Optional[List[Optional[Tuple[int, ...]]]] = None
 
     def defer(self, gm: GraphModule) -> None:
+        """Compile ``gm`` at the next compiled run instead of now."""
+        if self.phase == "forward" and self.strides is None:
+            # No forward was compiled yet, so aot_autograd heard of no Inductor strides and
+            # compiles the backward for the eager strides of the saved activations.
+            self.strides = eager_output_strides(gm)
         self.pending = gm
 
     def compiled_now(self, compiled: Callable) -> None:
-        """``compiled`` is the code the half runs from now on (a forward's strides are kept)."""
+        """``compiled``, the first code of a forward half, sets the strides its backward expects."""
         if self.phase == "forward" and self.strides is None:
-            self.strides = compat.compiled_output_strides(compiled)
+            self.strides = inductor_output_strides(compiled)
 
-    def compile_pending(self, current_gm: GraphModule) -> Tuple[GraphModule, Callable]:
+    def compile_pending(self) -> Tuple[GraphModule, Callable]:
         """Compile the pending graph; returns (profiled graph, code) the half runs from now on."""
         gm, self.pending = self.pending, None
         profiled = _copy(gm)  # the inner compiler may rewrite gm in place
         compiled = self.compile_later(gm)
-        fallback, self.fallback = self.fallback, None
-        if self.phase == "forward" and self.strides is not None and fallback is not None:
-            strides = compat.compiled_output_strides(compiled)
-            if strides != self.strides:
-                log.warning("deepcompile: graph %d: the re-planned forward lays out its outputs differently from the "
-                            "forward its backward was compiled for; it keeps its previous plan", self.graph_id)
-                return fallback
-        self.compiled_now(compiled)
+        if self.phase == "forward" and self.strides is not None:
+            compiled = _with_strides(compiled, self.strides, inductor_output_strides(compiled), self.graph_id)
         return profiled, compiled
+
+
+def eager_output_strides(gm: GraphModule) -> List[Optional[Tuple[int, ...]]]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in out]
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def inductor_output_strides(compiled: Callable) -> Optional[List[Optional[Tuple[int, ...]]]]:
+    """Per output, the strides Inductor gave it (None: unknown); None for code that is not
+    Inductor's (the FX executor keeps eager strides)."""
+    strides = compat.compiled_output_strides(compiled)
+    if strides is None:
+        return None
+    out = []
+    for s in strides:
+        try:
+            out.append(tuple(int(x) for x in s) if s is not None else None)
+        except (TypeError, ValueError):  # symbolic: not compared
+            out.append(None)
+    return out
+
+
+def _with_strides(compiled: Callable, wanted: List, got: Optional[List], graph_id: int) -> Callable:
+    """``compiled``, with each output whose strides differ from ``wanted`` copied into them."""
+    if got is None:
+        return compiled
+    fix = [i for i, (w, g) in enumerate(zip(wanted, got)) if w is not None and g is not None and w != g]
+    if not fix:
+        return compiled
+    log.debug("deepcompile: graph %d: outputs %s are copied into the strides its backward was compiled for",
+              graph_id, fix)
+
+    def restrided(args: List[Any]):
+        outs = list(compiled(args))
+        for i in fix:
+            t = outs[i]
+            outs[i] = torch.empty_strided(t.shape, wanted[i], dtype=t.dtype, device=t.device).copy_(t)
+        return outs
+
+    return restrided
 
 
 def replan(half: Any, driver: Any) -> bool:
@@ -101,8 +141,6 @@ def replan(half: Any, driver: Any) -> bool:
     gm.recompile()
     if gm.code == half.gm.code:
         return False  # same graph: keep the compiled code (or the deferred compile)
-    if half.compiled is not None:
-        plan_state.fallback = (half.gm, half.compiled)
     half.gm = _copy(gm)
     half.compiled = None
     plan_state.defer(gm)
