@@ -118,7 +118,8 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
         engine.step()
 
     step()  # step 0: plain graphs, profiled; prefetch is planned after it
-    _, codes = run_and_get_code(step)  # step 1 compiles the graphs with prefetch
+    step()  # step 1: the planned graphs, profiled (the plan is measured)
+    _, codes = run_and_get_code(step)  # step 2 compiles the planned graphs: their first compiled run
     code = "\n".join(codes)
     for op in ("dc.prefetch_params_fused", "dc.allgather_param", "dc.wait_allgather", "dc.release_param",
                "dc.reduce_grad", "dc.end_backward"):
