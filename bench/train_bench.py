@@ -26,8 +26,9 @@ The rows and how each one keeps its weights:
 * ``deepcompile ZeRO-3`` is plain gather-before-use insertion (both optional passes off);
   ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the profile-guided prefetch pass and
   ``deepcompile ZeRO-3 + prefetch + selective`` (key ``z3-auto``) also selective unsharding, both
-  with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 recompiles with the
-  plan (and is profiled once more to measure it), so ``--warmup`` must be at least 3 for them.
+  with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 runs the plan and is
+  profiled once more to measure it, step 2 compiles the planned graphs, so ``--warmup`` must be at
+  least 3 for them.
   ``--memory-budget-gib`` sets ``compile.memory_budget_bytes`` (default: 90 % of the device).
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
@@ -41,7 +42,12 @@ Columns (all per rank; time and memory are the maximum over ranks, the loss thei
 * peak mem: ``torch.cuda.max_memory_allocated`` over the measured steps (``reset_peak_memory_stats``
   after the warm-up): the steady-state peak of training, without one-off warm-up costs such as
   compilation or deepcompile's profiling step (which runs the graphs un-fused once). "n/a" on CPU.
-* compile: wall time of the first step, which includes Dynamo tracing and backend compilation.
+* first step: wall time of the first step, which includes Dynamo tracing and backend compilation.
+* first scheduled step: from the start of the first step to the end of the first step that ran the
+  method's final plan compiled (profile-guided rows: profiled step 0, re-plan, profiled step 1,
+  step 2 compiled with the plan; other rows: the first step), and its ratio to FSDP2 + compile's
+  first step of the same run; ``--warm-start`` adds the same time for a restart on warm caches.
+  ``--compile-cache cold`` gives every row an empty cache directory (a user's first start).
 * loss: the loss of the last measured step (a sanity check that every method trains the same
   model; on random tokens it stays near ln(vocab)).
 
