@@ -117,8 +117,9 @@ def _with_strides(compiled: Callable, wanted: List, got: Optional[List], graph_i
     fix = [i for i, (w, g) in enumerate(zip(wanted, got)) if w is not None and g is not None and w != g]
     if not fix:
         return compiled
-    log.debug("deepcompile: graph %d: outputs %s are copied into the strides its backward was compiled for",
-              graph_id, fix)
+    # Costs a copy per output and step: say so (Inductor pads strides of some shapes on GPUs).
+    log.warning("deepcompile: graph %d: forward outputs %s are copied into the strides its backward was compiled "
+                "for, at every step", graph_id, fix)
 
     def restrided(args: List[Any]):
         outs = list(compiled(args))
