@@ -26,8 +26,9 @@ The rows and how each one keeps its weights:
 * ``deepcompile ZeRO-3`` is plain gather-before-use insertion (both optional passes off);
   ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the profile-guided prefetch pass and
   ``deepcompile ZeRO-3 + prefetch + selective`` (key ``z3-auto``) also selective unsharding, both
-  with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 recompiles with the
-  plan (and is profiled once more to measure it), so ``--warmup`` must be at least 3 for them.
+  with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 runs the plan and is
+  profiled once more to measure it, step 2 compiles the planned graphs, so ``--warmup`` must be at
+  least 3 for them.
   ``--memory-budget-gib`` sets ``compile.memory_budget_bytes`` (default: 90 % of the device).
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
@@ -41,7 +42,12 @@ Columns (all per rank; time and memory are the maximum over ranks, the loss thei
 * peak mem: ``torch.cuda.max_memory_allocated`` over the measured steps (``reset_peak_memory_stats``
   after the warm-up): the steady-state peak of training, without one-off warm-up costs such as
   compilation or deepcompile's profiling step (which runs the graphs un-fused once). "n/a" on CPU.
-* compile: wall time of the first step, which includes Dynamo tracing and backend compilation.
+* first step: wall time of the first step, which includes Dynamo tracing and backend compilation.
+* first scheduled step: from the start of the first step to the end of the first step that ran the
+  method's final plan compiled (profile-guided rows: profiled step 0, re-plan, profiled step 1,
+  step 2 compiled with the plan; other rows: the first step), and its ratio to FSDP2 + compile's
+  first step of the same run; ``--warm-start`` adds the same time for a restart on warm caches.
+  ``--compile-cache cold`` gives every row an empty cache directory (a user's first start).
 * loss: the loss of the last measured step (a sanity check that every method trains the same
   model; on random tokens it stays near ln(vocab)).
 
@@ -82,6 +88,7 @@ import deepcompile  # noqa: E402
 from dist_setup import setup  # noqa: E402
 
 GIB = 1024**3
+COMPILE_CACHES = ("cold", "shared", "off")
 
 # ------------------------------------------------------------------------------------- options
 
@@ -125,9 +132,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "(default: compile.memory_budget_fraction of the device)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cold-compile", action="store_true",
-                   help="disable Inductor/AOTAutograd caches, so every row's compile time is a cold compile "
-                        "(by default a later row may reuse kernels an earlier row or an earlier run compiled)")
+    p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
+                   help="compile caches of each row: 'cold' (a fresh, empty Inductor/Triton cache directory and "
+                        "cleared in-memory caches per row: a user's first start), 'shared' (default: the caches "
+                        "of this machine; a row may reuse what an earlier row or run compiled), 'off' (caches "
+                        "disabled: every graph compiled from scratch, not even reused within the row)")
+    p.add_argument("--cold-compile", action="store_true", help="same as --compile-cache off (older name)")
+    p.add_argument("--warm-start", action="store_true",
+                   help="after each row, start the method once more on the caches the row left (a restart: "
+                        "fresh model, Dynamo and in-memory caches reset) and report its time to the first "
+                        "scheduled step too")
     p.add_argument("--markdown", metavar="PATH", help="also append the table as Markdown to PATH")
     p.add_argument("--trace", metavar="DIR", help="after the measured steps, profile --trace-steps more with "
                    "torch.profiler and write a text summary per method to DIR/<method>.txt (rank 0)")
@@ -138,6 +152,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = args.heads
+    if args.cold_compile:
+        args.compile_cache = "off"
     if args.warmup < 1:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     if args.steps < 1:
@@ -249,6 +265,9 @@ class Runner:
     step: Callable[[torch.Tensor], torch.Tensor]
     close: Callable[[], None] = lambda: None
     note: Callable[[], str] = lambda: ""
+    # True once the step just run was a step of the method's final plan, run compiled (not
+    # profiled): the profile-guided ZeRO-3 rows profile, re-plan and recompile first.
+    scheduled: Callable[[], bool] = lambda: True
 
 
 def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -> Runner:
@@ -277,10 +296,16 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -
         raise
     engine.compile(backend=ctx.backend)
 
+    final = engine.scheduler.schedule.entry_at(1 << 62)  # the plan in force once every entry applied
+    last = {"scheduled": False}
+
     def step(tokens: torch.Tensor) -> torch.Tensor:
+        planned = engine.scheduler.applied == final
         loss = engine(input_ids=tokens, labels=tokens).loss
+        profiled = engine.scheduler.mode is not None  # this micro-step runs through the profiler
         engine.backward(loss)
         engine.step()
+        last["scheduled"] = planned and not profiled
         return loss
 
     def note() -> str:
@@ -289,7 +314,7 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -
         eager = engine.eagerly_gathered_params() if stage == 3 else []
         return f"{len(eager)} parameters gathered eagerly (graph breaks)" if eager else ""
 
-    return Runner(step, close=engine.destroy, note=note)
+    return Runner(step, close=engine.destroy, note=note, scheduled=lambda: last["scheduled"])
 
 
 def torch_training_runner(compiled, optimizer, autocast_device: Optional[str] = None) -> Runner:
@@ -368,6 +393,9 @@ class Row:
     tflops: Optional[float] = None
     peak_gib: Optional[float] = None
     compile_s: Optional[float] = None
+    scheduled_s: Optional[float] = None  # time to the end of the first scheduled step
+    vs_fsdp2: Optional[float] = None  # scheduled_s / FSDP2 + compile's first step, same run
+    warm_scheduled_s: Optional[float] = None  # --warm-start: the same, restarted on warm caches
     loss: Optional[float] = None
 
 
@@ -379,6 +407,8 @@ class RankMeasurement:
     note: str = ""
     step_times: List[float] = dataclasses.field(default_factory=list)  # seconds, measured steps
     compile_s: float = math.nan
+    scheduled_s: Optional[float] = None
+    warm_scheduled_s: Optional[float] = None
     peak_bytes: Optional[int] = None
     loss: float = math.nan
 
@@ -399,14 +429,62 @@ def teardown(ctx: Context) -> None:
     dist.barrier()
 
 
+def time_to_schedule(step_seconds: List[float], scheduled: List[bool]) -> Optional[float]:
+    """Seconds from the start of the first step to the end of the first scheduled one (None:
+    no step ran the final plan compiled)."""
+    for i, done in enumerate(scheduled):
+        if done:
+            return sum(step_seconds[: i + 1])
+    return None
+
+
+def compile_cache(mode: str):
+    """The compile-cache state of one row (``--compile-cache``)."""
+    if mode == "cold":
+        from torch._inductor.utils import fresh_cache  # an empty cache dir, in-memory caches cleared
+
+        return fresh_cache()
+    return contextlib.nullcontext()
+
+
+def warm_restart(ctx: Context, method: Method) -> Optional[float]:
+    """Start ``method`` again on the caches left on disk (as a new process would find them)."""
+    from torch._inductor.utils import clear_inductor_caches
+
+    teardown(ctx)
+    clear_inductor_caches()
+    runner = method.build(ctx)
+    try:
+        times, scheduled = [], []
+        for tokens in ctx.batches[: ctx.args.warmup]:
+            sync(ctx)
+            start = time.perf_counter()
+            runner.step(tokens)
+            sync(ctx)
+            times.append(time.perf_counter() - start)
+            scheduled.append(runner.scheduled())
+            if scheduled[-1]:
+                break
+        return time_to_schedule(times, scheduled)
+    finally:
+        runner.close()
+        del runner
+        teardown(ctx)
+
+
 def measure(ctx: Context, method: Method) -> RankMeasurement:
+    with compile_cache(ctx.args.compile_cache):
+        return _measure(ctx, method)
+
+
+def _measure(ctx: Context, method: Method) -> RankMeasurement:
     m = RankMeasurement()
     if ctx.is_cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     runner: Optional[Runner] = None
     try:
         runner = method.build(ctx)
-        times = []
+        times, scheduled = [], []
         loss = None
         for i, tokens in enumerate(ctx.batches):
             sync(ctx)
@@ -414,11 +492,18 @@ def measure(ctx: Context, method: Method) -> RankMeasurement:
             loss = runner.step(tokens)
             sync(ctx)
             times.append(time.perf_counter() - start)
+            scheduled.append(runner.scheduled())
             if i == 0 and ctx.rank == 0:
                 print(f"  first step (compile) {times[0]:.1f} s", flush=True)
             if i == ctx.args.warmup - 1 and ctx.is_cuda:
                 torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of the measured steps only
         m.compile_s = times[0]
+        m.scheduled_s = time_to_schedule(times, scheduled)
+        if ctx.rank == 0:
+            print(f"  first scheduled step ends at {m.scheduled_s:.1f} s" if m.scheduled_s is not None
+                  else "  no step ran the final plan compiled", flush=True)
+        if not all(scheduled[ctx.args.warmup:]):
+            raise RuntimeError("a measured step was not a compiled step of the final plan: raise --warmup")
         m.step_times = times[ctx.args.warmup:]
         if ctx.args.trace:
             from step_trace import trace_steps
@@ -444,6 +529,13 @@ def measure(ctx: Context, method: Method) -> RankMeasurement:
                 print(f"[rank {ctx.rank}] {method.name}: close failed: {e!r}", file=sys.stderr, flush=True)
         del runner
         teardown(ctx)
+    if ctx.args.warm_start and m.status == "ok":
+        try:
+            m.warm_scheduled_s = warm_restart(ctx, method)
+        except Exception as e:  # the cold row stands; say why the warm number is missing
+            m.note = (m.note + "; " if m.note else "") + f"warm start failed: {type(e).__name__}"
+            print(f"[rank {ctx.rank}] {method.name} warm start failed:\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
     return m
 
 
@@ -462,15 +554,33 @@ def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Ro
     row.tokens_per_s = tokens / step_s
     row.tflops = flops_per_token(ctx.args, ctx.n_params) * tokens / step_s / 1e12
     row.compile_s = max(m.compile_s for m in per_rank)
+    row.scheduled_s = _max_or_none([m.scheduled_s for m in per_rank])
+    row.warm_scheduled_s = _max_or_none([m.warm_scheduled_s for m in per_rank])
     if all(m.peak_bytes is not None for m in per_rank):
         row.peak_gib = max(m.peak_bytes for m in per_rank) / GIB
     row.loss = sum(m.loss for m in per_rank) / len(per_rank)
     return row
 
 
+def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
+    return None if any(v is None for v in values) else max(values)
+
+
+def compare_with_fsdp2(rows: List[Row]) -> None:
+    """Fill ``vs_fsdp2``: each row's time to its first scheduled step over FSDP2 + compile's
+    first step in this run (left empty without an FSDP2 row)."""
+    fsdp2 = next((r for r in rows if r.method == METHODS["fsdp2"].name and r.status == "ok"), None)
+    if fsdp2 is None or not fsdp2.compile_s:
+        return
+    for r in rows:
+        if r.status == "ok" and r.scheduled_s is not None:
+            r.vs_fsdp2 = r.scheduled_s / fsdp2.compile_s
+
+
 # ------------------------------------------------------------------------------------- output
 
-COLUMNS = ["method", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "peak mem (GiB)", "compile (s)", "loss", "note"]
+COLUMNS = ["method", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "peak mem (GiB)", "first step (s)",
+           "first scheduled step (s)", "÷ FSDP2 first step", "warm: first scheduled step (s)", "loss", "note"]
 
 
 def cells(row: Row) -> List[str]:
@@ -483,7 +593,8 @@ def cells(row: Row) -> List[str]:
         return format(value, fmt) if abs(value) >= 1 or value == 0 else format(value, ".3g")
 
     return [row.method, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
-            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.loss, ".4f"), row.note]
+            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.scheduled_s, ".1f"),
+            num(row.vs_fsdp2, ".2f"), num(row.warm_scheduled_s, ".1f"), num(row.loss, ".4f"), row.note]
 
 
 def text_table(rows: List[Row]) -> str:
@@ -497,7 +608,7 @@ def text_table(rows: List[Row]) -> str:
 
 def markdown_table(rows: List[Row]) -> str:
     esc = lambda s: s.replace("|", "\\|")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "| " + " | ".join(["---"] + ["---:"] * 6 + ["---"]) + " |"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]) + " |"]
     lines += ["| " + " | ".join(esc(c) for c in cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -544,7 +655,11 @@ def environment(ctx: Context) -> Dict[str, str]:
                   f"intermediate {a.intermediate}, vocab {a.vocab}; {ctx.n_params / 1e6:,.1f} M parameters"),
         "batch": f"micro-batch {a.micro_batch} x seq {a.seq} per rank",
         "steps": f"{a.warmup} warm-up (first compiles) + {a.steps} measured; backend {ctx.backend}",
-        "compile caches": "off (cold compiles)" if a.cold_compile else "on (a row may reuse earlier compiles)",
+        "compile caches": {
+            "cold": "cold (each row starts on an empty cache directory, in-memory caches cleared)",
+            "shared": "shared (a row may reuse earlier compiles of this machine)",
+            "off": "off (caches disabled)",
+        }[a.compile_cache] + ("; warm restart per row" if a.warm_start else ""),
         "deepcompile": (f"reduce_bucket_size {a.reduce_bucket_size:,}, "
                         f"stage3_param_persistence_threshold {a.persistence_threshold:,}"),
         "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
@@ -570,7 +685,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     device, rank, world = setup()
     backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
-    if args.cold_compile:
+    if args.compile_cache == "off":
         # Also keeps artifacts of older builds out (NOTES.md: cached graphs and dc op registrations).
         import torch._inductor.config as inductor_config
 
@@ -595,6 +710,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        else f"{row.status}: {row.note}")
             print("  " + summary, flush=True)
 
+    compare_with_fsdp2(rows)
     if rank == 0:
         print("\n" + text_table(rows), flush=True)
         if args.markdown:

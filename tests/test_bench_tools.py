@@ -71,3 +71,23 @@ def test_memory_timeline_reports_the_highest_level_per_slice():
     ]
     rows = memory_peak.timeline({"device_traces": [events]}, device=0, slices=2)
     assert rows == [(0, 80, "(no stack)"), (2, 80, "(the level the slice started at)")]
+
+
+def test_time_to_the_first_scheduled_step_and_the_ratio_to_fsdp2():
+    import train_bench
+
+    # Profiled step 0, profiled step 1 after the re-plan, compiled step 2: the sum of all three.
+    assert train_bench.time_to_schedule([5.0, 1.0, 3.0, 0.1], [False, False, True, True]) == pytest.approx(9.0)
+    assert train_bench.time_to_schedule([5.0, 1.0], [False, False]) is None
+    Row = train_bench.Row
+    rows = [Row(train_bench.METHODS["z3-prefetch"].name, compile_s=2.0, scheduled_s=9.0),
+            Row(train_bench.METHODS["fsdp2"].name, compile_s=6.0, scheduled_s=6.0),
+            Row(train_bench.METHODS["z3"].name, status="OOM")]
+    train_bench.compare_with_fsdp2(rows)
+    assert rows[0].vs_fsdp2 == pytest.approx(1.5) and rows[1].vs_fsdp2 == pytest.approx(1.0)
+    assert rows[2].vs_fsdp2 is None
+    table = train_bench.markdown_table(rows).splitlines()
+    assert len({line.count(" | ") for line in table}) == 1, "a row has another number of cells than the header"
+    without = [Row(train_bench.METHODS["z3"].name, compile_s=2.0, scheduled_s=2.0)]
+    train_bench.compare_with_fsdp2(without)  # no FSDP2 row in the run: no ratio
+    assert without[0].vs_fsdp2 is None

@@ -6,6 +6,7 @@ something, instead of letting gradients silently disappear from compiled graphs.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -117,7 +118,8 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
         engine.step()
 
     step()  # step 0: plain graphs, profiled; prefetch is planned after it
-    _, codes = run_and_get_code(step)  # step 1 compiles the graphs with prefetch
+    step()  # step 1: the planned graphs, profiled (the plan is measured)
+    _, codes = run_and_get_code(step)  # step 2 compiles the planned graphs: their first compiled run
     code = "\n".join(codes)
     for op in ("dc.prefetch_params_fused", "dc.allgather_param", "dc.wait_allgather", "dc.release_param",
                "dc.reduce_grad", "dc.end_backward"):
@@ -483,3 +485,35 @@ def test_will_compile_frame_inside_and_outside_compiled_code():
     # torch 2.12 compiles a torch module's forward as a frame when the module has hooks; 2.11 not.
     assert seen == {"user": True, "disabled": False, "torch_module": False,
                     "torch_module_with_hook": compat.TORCH_VERSION >= (2, 12)}
+
+
+def test_inductor_compiler_for_later_and_compiled_output_strides(monkeypatch):
+    """A forward half compiled again after aot_autograd's callback returned (re-planning in
+    place) computes what the first compile did, and reports its output strides."""
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    kept = {}
+
+    def fw_compiler(gm, inputs):
+        kept["later"] = compat.inductor_compiler_for_later(inputs, is_backward=False)
+        kept["gm"] = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        kept["first"] = compat.inductor_compile(gm, inputs, is_backward=False)
+        return kept["first"]
+
+    backend = compat.aot_backend(
+        fw_compiler=fw_compiler,
+        bw_compiler=lambda gm, inputs: compat.inductor_compile(gm, inputs, is_backward=True),
+        partition_fn=compat.min_cut_partition,
+        decompositions=compat.inductor_decompositions(),
+    )
+    torch._dynamo.reset()
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    torch.compile(lambda w, x: torch.relu(x @ w.t()).sum(), backend=backend)(w, x).backward()
+    again = kept["later"](kept["gm"])  # outside any compile context now
+    args = [w.detach(), x]
+    torch.testing.assert_close(list(again(list(args))), list(kept["first"](list(args))))
+    strides = compat.compiled_output_strides(again)
+    assert strides is not None and len(strides) == len(kept["first"](list(args)))
+    assert strides == compat.compiled_output_strides(kept["first"])
+    assert compat.compiled_output_strides(lambda args: args) is None  # not Inductor's code
+    torch._dynamo.reset()

@@ -48,7 +48,9 @@ from deepcompile.compat.fx import (
     tree_map_only,
 )
 from deepcompile.compat.inductor import (
+    compiled_output_strides,
     inductor_compile,
+    inductor_compiler_for_later,
     inductor_decompositions,
     inductor_joint_graph_passes,
     protect_runtime_buffers_in_inductor,
@@ -62,6 +64,7 @@ __all__ = [
     "TORCH_VERSION",
     "aot_backend",
     "boxed",
+    "compiled_output_strides",
     "direct_buffers",
     "direct_parameters",
     "eager_input_vals",
@@ -70,6 +73,7 @@ __all__ = [
     "forward_inputs",
     "gradient_output_index",
     "inductor_compile",
+    "inductor_compiler_for_later",
     "inductor_decompositions",
     "inductor_joint_graph_passes",
     "is_op_overload",

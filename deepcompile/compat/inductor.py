@@ -36,6 +36,43 @@ def inductor_compile(gm: GraphModule, example_inputs: Sequence[Any], is_backward
     return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
+
+def inductor_compiler_for_later(example_inputs: Sequence[Any], is_backward: bool) -> Callable[[GraphModule], Callable]:
+    """A function that compiles a graph half with Inductor *after* aot_autograd's compiler
+    callback has returned: a deferred first compile, or a re-planned graph (same inputs and
+    outputs, other side-effecting ops) compiled for the same ``example_inputs``.
+
+    Must itself be called inside the callback: it keeps the tracing and compile contexts that
+    are active there and re-enters them at each later compile, as aot_autograd's own lazy
+    backward compile does. The forward output strides a later compile reports go to a scratch
+    list, so what aot_autograd recorded from the first compile stays as it was.
+
+    Relies on ``torch._guards.TracingContext`` / ``CompileContext`` (``try_get``, ``tracing``,
+    ``compile_context``, ``report_output_strides``) and ``compile_fx_inner``.
+    """
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+
+    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
+    inputs = list(example_inputs)
+
+    def compile_later(gm: GraphModule) -> Callable:
+        with tracing(saved_tracing), compile_context(saved_compile), TracingContext.report_output_strides():
+            return inductor_compile(gm, inputs, is_backward=is_backward)
+
+    return compile_later
+
+
+def compiled_output_strides(compiled: Any) -> Any:
+    """The output strides Inductor chose for a compiled graph half (None if unknown).
+
+    A forward's saved activations may get other strides than eager ones, and its backward is
+    compiled for those: a re-planned forward may replace the first only if they agree. Relies
+    on ``CompiledFxGraph.output_strides``.
+    """
+    strides = getattr(compiled, "output_strides", None)
+    return list(strides) if strides is not None else None
+
+
 _INDUCTOR_PROTECTED = False
 
 

@@ -39,7 +39,7 @@ from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custo
 from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
 from deepcompile.passes.zero3 import insert_gather_release
-from deepcompile.scheduling import planner
+from deepcompile.scheduling import planner, replan
 from deepcompile.zero.sharding import Sharding
 
 log = logging.getLogger(__name__)
@@ -188,21 +188,38 @@ class DeepCompileBackend:
         """Schedule-driven passes, then the inner compiler, wrapped for profiling."""
         gm.recompile()
         signature = planner.graph_signature(phase, gm)
+        is_backward = phase == "backward"
+        half_plan = None
         if self.stage == 3:
-            self.driver.note_graph(signature, _copy_graph_module(gm))
+            base = _copy_graph_module(gm)
+            self.driver.note_graph(signature, base)
+            if not replan.has_symbolic_sizes(inputs):  # scheduling/replan.py: why not otherwise
+                half_plan = replan.HalfPlan(base, record.graph_id, phase, self._compiler_for_later(inputs, is_backward))
             plan = self.driver.prefetch_plan(gm, signature)
             if plan is not None:
                 apply_prefetch(gm, record.graph_id, plan)
                 gm.recompile()
         profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
-        compiled = self._inner_compile(gm, inputs, is_backward=phase == "backward")
-        reduces = record.reduced_ids if phase == "backward" else []
-        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, reduces)
+        if half_plan is not None and self.inner == "inductor" and self.driver.wants_profile(signature):
+            # Its first run is profiled, and a re-plan may replace it before it runs compiled.
+            compiled = None
+            half_plan.defer(gm)
+        else:
+            compiled = self._inner_compile(gm, inputs, is_backward=is_backward)
+            if half_plan is not None:
+                half_plan.compiled_now(compiled)
+        reduces = record.reduced_ids if is_backward else []
+        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, reduces, half_plan)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
             return compat.boxed(gm.forward)
         return compat.inductor_compile(gm, inputs, is_backward=is_backward)
+
+    def _compiler_for_later(self, inputs: List[Any], is_backward: bool) -> Callable[[GraphModule], Callable]:
+        if self.inner == "eager":
+            return lambda gm: compat.boxed(gm.forward)
+        return compat.inductor_compiler_for_later(inputs, is_backward=is_backward)
 
 
 def _running(modules: List[Any]) -> bool:
@@ -244,11 +261,15 @@ class _ProfiledCallable:
     each saved activation after its last use in the backward. Without it the arguments are
     unpacked and every activation saved by the forward stays alive until the whole backward graph
     has run (docs/design.md, "Measured"). ``detach`` drops every reference once the engine is gone.
+
+    ``plan`` (ZeRO-3, static sizes): what re-planning in place needs (``scheduling/replan.py``);
+    ``compiled`` is None while a compile is pending, done at the next run that is not profiled.
     """
 
-    __slots__ = ("compiled", "gm", "signature", "record", "driver", "reduces", "__weakref__", "__dict__")
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "reduces", "plan", "__weakref__", "__dict__")
 
-    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int] = ()):
+    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int] = (),
+                 plan: Optional[replan.HalfPlan] = None):
         compat.mark_boxed(self)
         self.compiled = compiled
         self.gm = gm
@@ -256,7 +277,12 @@ class _ProfiledCallable:
         self.record = record
         self.driver = driver
         self.reduces = list(reduces)  # ds ids this half hands to reduce_grad once per run
+        self.plan = plan
         driver.track(self)
+
+    @property
+    def can_replan_in_place(self) -> bool:
+        return self.plan is not None
 
     def __call__(self, *args: Any):
         # Boxed (one list, from aot_autograd) or unboxed (a wrapper that did not keep the boxed
@@ -267,9 +293,14 @@ class _ProfiledCallable:
         if self.reduces:
             debug_checks.note_reductions(self.reduces)
         if self.driver.wants_profile(self.signature):
-            return self.driver.run_profiled(self.gm, boxed, self.compiled, self.signature, self.record.graph_id,
+            return self.driver.run_profiled(self.gm, boxed, self.run_compiled, self.signature, self.record.graph_id,
                                             list(self.record.param_slots.values()))
+        return self.run_compiled(boxed)
+
+    def run_compiled(self, boxed: List[Any]):
+        if self.compiled is None:
+            self.gm, self.compiled = self.plan.compile_pending()
         return self.compiled(boxed)
 
     def detach(self) -> None:
-        self.compiled = self.gm = self.driver = None
+        self.compiled = self.gm = self.driver = self.plan = None

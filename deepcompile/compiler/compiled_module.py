@@ -4,15 +4,17 @@ A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
 
 * one :class:`~deepcompile.compiler.backend.DeepCompileBackend` per inner compiler
   (``backend_for``), shared by ``engine.compile()`` and the ``"deepcompile"`` string backend;
-* the ``torch.compile`` arguments of ``compile()``, to compile again with a fresh backend when
-  the pass schedule switches plans (``recompile``): Dynamo keys its cache by backend, so the new
-  wrapper traces afresh while nothing else is reset;
+* re-planning when the pass schedule switches plans (``recompile``): in place, graph half by
+  graph half (``scheduling/replan.py``), or else with the ``torch.compile`` arguments of
+  ``compile()``, compiling again with a fresh backend: Dynamo keys its cache by backend, so the
+  new wrapper traces afresh while nothing else is reset;
 * the retired backends, whose graphs may still run (and must be cut loose at ``close``);
 * which compiled module the string backend serves: the one created last and not closed.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -20,7 +22,10 @@ import torch
 import torch.nn as nn
 
 from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
+from deepcompile.scheduling import replan
 from deepcompile.zero.sharding import Sharding
+
+log = logging.getLogger(__name__)
 
 _ACTIVE: Optional["CompiledModule"] = None
 
@@ -55,12 +60,21 @@ class CompiledModule:
         return torch.compile(self.module, backend=self._own_backend, **kwargs)
 
     def recompile(self) -> Optional[nn.Module]:
-        """The schedule switched plans: retire every backend and, if ``compile()`` was used,
-        return a fresh compilation of the module (None otherwise).
+        """The schedule switched plans. Returns the module to run from now on, or None to keep
+        running the current one.
 
-        Code compiled through ``torch.compile(module, backend="deepcompile")`` cannot be
-        re-planned this way: it keeps its graphs (selective unsharding still applies).
+        Usually every compiled graph half is re-planned in place (``scheduling/replan.py``):
+        nothing is traced again, and only halves whose graph the new plan changes are compiled
+        again, when they next run. Otherwise (a half with symbolic sizes) every backend is retired
+        and, if ``compile()`` was used, the module is compiled afresh; code compiled through
+        ``torch.compile(module, backend="deepcompile")`` then keeps its graphs (selective
+        unsharding still applies).
         """
+        halves = self.driver.live_halves()
+        if self._backends and halves and all(h.can_replan_in_place for h in halves):
+            changed = replan.replan_in_place(halves, self.driver)
+            log.debug("deepcompile: re-planned %d of %d graph halves in place", changed, len(halves))
+            return None
         string_backend_used = any(b is not self._own_backend for b in self._backends.values())
         self._retired.extend(self._backends.values())  # their graphs may still run
         self._backends = {}

@@ -90,6 +90,12 @@ class ScheduleDriver:
     def track(self, compiled_half: Any) -> None:
         self._halves.append(weakref.ref(compiled_half))
 
+    def live_halves(self) -> List[Any]:
+        """The compiled halves still alive and attached to this engine."""
+        halves = [ref() for ref in self._halves]
+        self._halves = [weakref.ref(h) for h in halves if h is not None]
+        return [h for h in halves if h is not None and h.driver is self]
+
     def close(self) -> None:
         """The engine is destroyed: let go of every compiled half, graph and profile."""
         for ref in self._halves:

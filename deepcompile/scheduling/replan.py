@@ -1,0 +1,159 @@
+"""Re-planning compiled graph halves in place, and compiling a half only when it first runs compiled.
+
+When the pass schedule switches plans, the only graphs that change are those whose optional
+passes (today: the prefetch plan) changed them. Dynamo's captures, aot_autograd's joint graph
+and partition, and the ZeRO pass are the same as before the switch. So each compiled half keeps
+its graph as it was after the ZeRO pass (``base``) and a compiler that can compile a graph for
+the same inputs later (``compile_later``, ``compat.inductor_compiler_for_later``). At the switch
+the optional passes are re-applied to a copy of ``base``; a half whose resulting graph is the
+one it already runs keeps its compiled code; the others get the new graph, compiled when they
+first run compiled (a half that never runs again is never compiled). Nothing is traced again.
+
+A half compiled while its micro-step is profiled runs through the profiler first: its Inductor
+compile is deferred to its first compiled run. With ``warmup_steps`` 1 (profile step 0, re-plan
+after it) the plain graphs are therefore never compiled at all.
+
+A forward's saved activations may get Inductor-chosen strides, and its backward is compiled for
+the strides the forward first had: Inductor's, or the eager ones when the first forward compile
+was deferred. Outputs of a later forward compile whose strides differ are copied into those (in
+practice the compute, hence the layout, is the same: the plans only add communication ops).
+
+Halves with symbolic input sizes are not re-planned in place: a later compile could add shape
+guards that Dynamo never installed. If any live half is such, the module is re-planned the
+old way, by compiling it again with a fresh backend (``compiler/compiled_module.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.fx import GraphModule
+
+from deepcompile import compat
+from deepcompile.passes.prefetch import apply_prefetch
+
+log = logging.getLogger(__name__)
+
+
+def has_symbolic_sizes(inputs: Sequence[Any]) -> bool:
+    """True if any input is a symbolic int or a tensor with a symbolic size or stride."""
+    for x in inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())):
+            return True
+    return False
+
+
+class HalfPlan:
+    """What one compiled half needs to be re-planned in place and compiled late.
+
+    ``base``: the graph after the ZeRO pass, before the optional passes; ``compile_later``:
+    compiles a graph of this half for its original inputs; ``pending``: the graph to compile at
+    the next compiled run (None: the half's code is current); ``strides`` (forward halves): per
+    output, the strides its backward was compiled against (None: not known or not a tensor).
+    """
+
+    __slots__ = ("base", "graph_id", "phase", "compile_later", "pending", "strides")
+
+    def __init__(self, base: GraphModule, graph_id: int, phase: str, compile_later: Callable[[GraphModule], Callable]):
+        self.base = base
+        self.graph_id = graph_id
+        self.phase = phase
+        self.compile_later = compile_later
+        self.pending: Optional[GraphModule] = None
+        self.strides: Optional[List[Optional[Tuple[int, ...]]]] = None
+
+    def defer(self, gm: GraphModule) -> None:
+        """Compile ``gm`` at the next compiled run instead of now."""
+        if self.phase == "forward" and self.strides is None:
+            # No forward was compiled yet, so aot_autograd heard of no Inductor strides and
+            # compiles the backward for the eager strides of the saved activations.
+            self.strides = eager_output_strides(gm)
+        self.pending = gm
+
+    def compiled_now(self, compiled: Callable) -> None:
+        """``compiled``, the first code of a forward half, sets the strides its backward expects."""
+        if self.phase == "forward" and self.strides is None:
+            self.strides = inductor_output_strides(compiled)
+
+    def compile_pending(self) -> Tuple[GraphModule, Callable]:
+        """Compile the pending graph; returns (profiled graph, code) the half runs from now on."""
+        gm, self.pending = self.pending, None
+        profiled = _copy(gm)  # the inner compiler may rewrite gm in place
+        compiled = self.compile_later(gm)
+        if self.phase == "forward" and self.strides is not None:
+            compiled = _with_strides(compiled, self.strides, inductor_output_strides(compiled), self.graph_id)
+        return profiled, compiled
+
+
+def eager_output_strides(gm: GraphModule) -> List[Optional[Tuple[int, ...]]]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in out]
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def inductor_output_strides(compiled: Callable) -> Optional[List[Optional[Tuple[int, ...]]]]:
+    """Per output, the strides Inductor gave it (None: unknown); None for code that is not
+    Inductor's (the FX executor keeps eager strides)."""
+    strides = compat.compiled_output_strides(compiled)
+    if strides is None:
+        return None
+    out = []
+    for s in strides:
+        try:
+            out.append(tuple(int(x) for x in s) if s is not None else None)
+        except (TypeError, ValueError):  # symbolic: not compared
+            out.append(None)
+    return out
+
+
+def _with_strides(compiled: Callable, wanted: List, got: Optional[List], graph_id: int) -> Callable:
+    """``compiled``, with each output whose strides differ from ``wanted`` copied into them."""
+    if got is None:
+        return compiled
+    fix = [i for i, (w, g) in enumerate(zip(wanted, got)) if w is not None and g is not None and w != g]
+    if not fix:
+        return compiled
+    # Costs a copy per output and step: say so (Inductor pads strides of some shapes on GPUs).
+    log.warning("deepcompile: graph %d: forward outputs %s are copied into the strides its backward was compiled "
+                "for, at every step", graph_id, fix)
+
+    def restrided(args: List[Any]):
+        outs = list(compiled(args))
+        for i in fix:
+            t = outs[i]
+            outs[i] = torch.empty_strided(t.shape, wanted[i], dtype=t.dtype, device=t.device).copy_(t)
+        return outs
+
+    return restrided
+
+
+def replan(half: Any, driver: Any) -> bool:
+    """Re-apply the optional passes of the driver's current plan to ``half`` (a
+    ``compiler.backend._ProfiledCallable`` with a ``plan``); True if its graph changed."""
+    plan_state: HalfPlan = half.plan
+    gm = _copy(plan_state.base)
+    plan = driver.prefetch_plan(gm, half.signature)
+    if plan is not None:
+        apply_prefetch(gm, plan_state.graph_id, plan)
+    gm.recompile()
+    if gm.code == half.gm.code:
+        return False  # same graph: keep the compiled code (or the deferred compile)
+    half.gm = _copy(gm)
+    half.compiled = None
+    plan_state.defer(gm)
+    return True
+
+
+def replan_in_place(halves: Sequence[Any], driver: Any) -> int:
+    """Re-plan every half; returns how many changed (and will compile at their next compiled run)."""
+    return sum(replan(h, driver) for h in halves)
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return GraphModule(gm, graph)
