@@ -87,6 +87,7 @@ sys.path.insert(0, REPO_ROOT)
 import deepcompile  # noqa: E402
 from dist_setup import setup  # noqa: E402
 
+FSDP2_NAME = "FSDP2 + compile"  # the peer the compile-time ratio is taken against
 GIB = 1024**3
 COMPILE_CACHES = ("cold", "shared", "off")
 
@@ -371,7 +372,7 @@ METHODS: Dict[str, Method] = {
                       lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch", "selective_gather"))),
     "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
     "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
-    "fsdp2": Method("FSDP2 + compile", fsdp2_runner),
+    "fsdp2": Method(FSDP2_NAME, fsdp2_runner),
     "ddp": Method("DDP + compile", ddp_runner),
 }
 METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
@@ -569,7 +570,7 @@ def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
 def compare_with_fsdp2(rows: List[Row]) -> None:
     """Fill ``vs_fsdp2``: each row's time to its first scheduled step over FSDP2 + compile's
     first step in this run (left empty without an FSDP2 row)."""
-    fsdp2 = next((r for r in rows if r.method == METHODS["fsdp2"].name and r.status == "ok"), None)
+    fsdp2 = next((r for r in rows if r.method == FSDP2_NAME and r.status == "ok"), None)
     if fsdp2 is None or not fsdp2.compile_s:
         return
     for r in rows:
