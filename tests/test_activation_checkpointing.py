@@ -52,6 +52,10 @@ class _GatherCounter(TorchDispatchMode):
     """Counts ``dc.allgather_param`` calls per (graph id, ds id): those of compiled graphs and of
     the eager module hooks alike go through the dispatcher."""
 
+    # Higher-order operators (``run_with_rng_state`` replaying a recomputed random op) pass
+    # through and run as they are: no gather is issued inside one.
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
