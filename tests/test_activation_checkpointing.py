@@ -41,11 +41,13 @@ WORLD = single_world_size()  # the transformers models: 2 ranks (or DC_TEST_WORL
 EAGER_GRAPH_ID = 0
 
 
-def _config(stage: int, gas: int) -> dict:
+def _config(stage: int, gas: int, compile_keys: Optional[dict] = None) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 64}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # every parameter is gathered and released
-    return {"zero_optimization": zero, "gradient_accumulation_steps": gas, "compile": {"debug_checks": True}}
+        zero["stage3_prefetch_bucket_size"] = 40  # several prefetch groups in these small models
+    return {"zero_optimization": zero, "gradient_accumulation_steps": gas,
+            "compile": {"debug_checks": True, **(compile_keys or {})}}
 
 
 class _GatherCounter(TorchDispatchMode):
@@ -106,14 +108,15 @@ def _check_recomputation(expect: str, gathers: collections.Counter, names: Dict[
         raise ValueError(expect)
 
 
-def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[str], steps: int = 3, gas: int = 1):
+def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[str], steps: int = 3, gas: int = 1,
+          compile_keys: Optional[dict] = None):
     import deepcompile
     from deepcompile import runtime
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, device=ctx.device)
-    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(stage, gas))
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(stage, gas, compile_keys))
     if backend is not None:
         engine.compile(backend=backend)
     names = engine.sharding.param_names()
@@ -144,6 +147,10 @@ def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[s
         # version: test_zero3_parity.py::test_zero3_qwen2_moe.)
         eager = engine.eagerly_gathered_params()
         assert not eager, f"gathered outside compiled graphs: {eager}"
+    if compile_keys:  # the profile-guided passes: a complete profile of the recomputing graphs
+        report = engine.schedule_report()
+        assert report and report["entry"] == "step 2: prefetch, selective_gather", report
+        assert report["graphs"] and all(g["profile_complete"] for g in report["graphs"]), report
     got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()})
     engine.destroy()
     ref = train_reference(name, steps, gas=gas, device=ctx.device)
@@ -175,6 +182,15 @@ def test_checkpointed_decoder_gradient_accumulation(dist_world_size, stage):
     """Two windows of two micro-steps: every recomputing backward reduces once into the window."""
     run_distributed(_body, dist_world_size, args=("decoder_ckpt_reentrant", stage, "eager", None),
                     kwargs={"steps": 4, "gas": 2}, timeout=600)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_checkpointed_decoder_with_prefetch_and_selective_gather(dist_world_size, backend):
+    """ZeRO-3's profile-guided passes (profiled at step 1, planned for step 2 on): prefetches and
+    persistent parameters in backward graphs that recompute, next to the recomputation's
+    gathers and their releases."""
+    run_distributed(_body, dist_world_size, args=("decoder_ckpt", 3, backend, "compiled"),
+                    kwargs={"steps": 5, "compile_keys": {"warmup_steps": 2}}, timeout=600)
 
 
 @pytest.mark.parametrize("name,stage,backend,expect", [
