@@ -22,7 +22,8 @@ Per row (per rank; the maximum over ranks):
 The independent measure: one eager forward of the plain model (no engine, no compile) on the same
 batch, counting with ``saved_tensors_hooks`` the bytes each decoder layer saves for its backward
 (distinct storages, parameters excluded), and the layer's input (which a checkpointed layer
-still keeps). Checkpointing removes A = sum over layers of (saved - input); in the backward one
+still keeps, as it keeps the other tensor inputs such as the rotary cos/sin). Checkpointing
+removes A = sum over layers of (saved - input) - other inputs; in the backward one
 layer at a time is recomputed, R = the largest layer's saved bytes. The summary compares the
 measured peak reduction with A and with A - R.
 """
@@ -120,12 +121,13 @@ def parameter_storages(model: torch.nn.Module) -> set:
 @dataclasses.dataclass
 class EagerActivations:
     saved_per_layer: List[int]  # bytes each decoder layer saves for backward
-    input_per_layer: List[int]  # bytes of each decoder layer's input (kept by a checkpointed layer)
+    input_per_layer: List[int]  # bytes of each decoder layer's hidden-state input (kept by a checkpointed layer)
+    shared_inputs: int  # the layers' other tensor inputs (rotary cos/sin, masks), once: also kept
     outside_layers: int  # saved outside the decoder layers (embedding, final norm, head, loss)
 
     @property
     def removed_by_checkpointing(self) -> int:
-        return sum(s - i for s, i in zip(self.saved_per_layer, self.input_per_layer))
+        return sum(s - i for s, i in zip(self.saved_per_layer, self.input_per_layer)) - self.shared_inputs
 
     @property
     def largest_layer(self) -> int:
@@ -138,12 +140,18 @@ def eager_activations(ctx: tb.Context) -> EagerActivations:
     counter = SavedBytes(parameter_storages(model))
     layers = list(model.model.layers)
     inputs = [0] * len(layers)
+    shared: Dict[int, int] = {}  # storage -> bytes of the other tensor inputs, every layer's
     handles = []
     for index, layer in enumerate(layers):
         def enter(module, args, kwargs, index=index):
             counter.layer = index
             hidden = args[0] if args else kwargs["hidden_states"]
             inputs[index] = hidden.untyped_storage().nbytes()
+            others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+            for value in others:
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        shared[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
         def leave(module, args, output):
             counter.layer = None
@@ -159,7 +167,7 @@ def eager_activations(ctx: tb.Context) -> EagerActivations:
         for h in handles:
             h.remove()
     result = EagerActivations([counter.by_layer.get(i, 0) for i in range(len(layers))], inputs,
-                              counter.by_layer.get(None, 0))
+                              sum(shared.values()), counter.by_layer.get(None, 0))
     del model, counter
     tb.teardown(ctx)
     return result
@@ -271,8 +279,10 @@ def summary(eager: EagerActivations, results: List[Result]) -> List[str]:
         f"- eager forward of the plain model (saved_tensors_hooks, distinct storages, parameters excluded): "
         f"{size(eager.saved_per_layer[0])} saved per decoder layer ({layers} layers, "
         f"{size(sum(eager.saved_per_layer))}), of which the layer input {size(eager.input_per_layer[0])}; "
-        f"{size(eager.outside_layers)} saved outside the layers",
-        f"- removed by checkpointing every layer: A = sum(saved - input) = {size(eager.removed_by_checkpointing)}; "
+        f"{size(eager.outside_layers)} saved outside the layers; other layer inputs (rotary cos/sin) "
+        f"{size(eager.shared_inputs)}",
+        f"- removed by checkpointing every layer: A = sum(saved - input) - other inputs = "
+        f"{size(eager.removed_by_checkpointing)}; "
         f"one layer recomputed in the backward: R = {size(eager.largest_layer)}",
     ]
     by_variant = {(r.variant.stage, r.variant.checkpointing): r for r in results}
@@ -331,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dist.all_gather_object(everyone, eager)
     eager = EagerActivations([max(e.saved_per_layer[i] for e in everyone) for i in range(len(eager.saved_per_layer))],
                              [max(e.input_per_layer[i] for e in everyone) for i in range(len(eager.input_per_layer))],
-                             max(e.outside_layers for e in everyone))
+                             max(e.shared_inputs for e in everyone), max(e.outside_layers for e in everyone))
     if rank == 0:
         print("\n".join(summary(eager, [])), flush=True)
 
