@@ -317,6 +317,12 @@ def as_json(eager: EagerActivations, results: List[Result]) -> dict:
     }
 
 
+def write_json(path: str, eager: EagerActivations, results: List[Result]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(as_json(eager, results), f, indent=1)
+
+
 def markdown_block(env: Dict[str, str], eager: EagerActivations, results: List[Result]) -> str:
     lines = [f"## {env['date (UTC)']} UTC, {env['device']}: activation checkpointing, peak memory", ""]
     lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
@@ -364,6 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append(Result(variant, row, max(counted) if len(counted) == world else None))
             if rank == 0:
                 print("  " + table(results[-1:]).splitlines()[-1], flush=True)
+                if own.json:  # after every row: a run cut short by a time limit keeps what it measured
+                    write_json(own.json, eager, results)
 
     if rank == 0:
         block = markdown_block(env, eager, results)
@@ -374,8 +382,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f.write(block + "\n")
             print(f"appended to {own.markdown}", flush=True)
         if own.json:
-            with open(own.json, "w", encoding="utf-8") as f:
-                json.dump(as_json(eager, results), f, indent=1)
+            write_json(own.json, eager, results)
     dist.barrier()
     dist.destroy_process_group()
     return 0
