@@ -59,6 +59,66 @@ def _fused_cast_dtype(param: Node) -> Optional[torch.dtype]:
     return None
 
 
+def _anchor_after(reader: Node) -> Optional[Node]:
+    """The node whose output a release after ``reader`` takes: ``reader``'s own tensor result,
+    or, when ``reader`` is pointwise, that of the first library call reading its result."""
+    anchor = tensor_result(reader)
+    if not is_library_call(reader):
+        later = first_library_call_reading(reader)
+        if later is not None and tensor_result(later) is not None:
+            anchor = tensor_result(later)
+    return anchor
+
+
+def _readers(aliases) -> List[Node]:
+    return list(dict.fromkeys(u for v in aliases for u in v.users if u.op != "output" and u not in aliases))
+
+
+def _release_anchors(graph, aliases, full: Node) -> List[Node]:
+    """Anchors of the releases of one gather episode, each release taking its anchor's output.
+
+    Usually one: after the last reader in graph order, whose result depends on every other
+    reader's. But Inductor orders nodes by data dependencies only, and fuses across graph order:
+    in a backward that recomputes a checkpointed region, the recomputation reads the weight and
+    the input gradient reads it again, neither depending on the other. A kernel fusing the
+    recomputed ``tanh`` with the ``tanh`` backward moved the recomputed product after a release
+    anchored on the input gradient: it read freed storage. So every reader that the release's
+    anchor does not depend on gets a release of its own; the runtime frees the buffer when the
+    last of the episode's ``n_users`` releases has run, whichever order they run in.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = _readers(aliases)
+    if not readers:  # an alias nobody reads still needs the buffer until it is created
+        return [tensor_result(last_user(graph, aliases)) or full]
+    earliest = min(order[r] for r in readers)
+    uncovered = sorted(readers, key=order.__getitem__)
+    anchors: List[Node] = []
+    while uncovered:
+        reader = uncovered.pop()
+        anchor = _anchor_after(reader)
+        if anchor is None:
+            if anchors:
+                continue  # no tensor to hang a release on: graph order keeps it before the others
+            anchor = full
+        anchors.append(anchor)
+        reached = _ancestors_from(anchor, order, earliest)
+        uncovered = [r for r in uncovered if r not in reached]
+    return anchors
+
+
+def _ancestors_from(node: Node, order, earliest: int) -> set:
+    """``node`` and the nodes it depends on, down to graph position ``earliest`` (graph order is a
+    topological order: no earlier node can depend on a reader)."""
+    seen = {node}
+    stack = [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in seen and order[arg] >= earliest:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
 def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int]) -> int:
     """Insert gather/wait/release around every parameter placeholder in ``params``.
 
@@ -98,16 +158,12 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
             log.warning("deepcompile: graph %d returns a view of gathered parameter %d; it is not released", graph_id, ds_id)
             kept += 1
             continue
-        last = last_user(graph, aliases)
-        anchor = tensor_result(last) or full
-        if not is_library_call(last):
-            later = first_library_call_reading(last)
-            if later is not None and tensor_result(later) is not None:
-                anchor = tensor_result(later)
-        with graph.inserting_after(anchor):
-            released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, 1))
-        released.meta["val"] = anchor.meta.get("val")
-        anchor.replace_all_uses_with(released, delete_user_cb=lambda u: u is not released)
+        anchors = _release_anchors(graph, aliases, full)
+        for anchor in anchors:
+            with graph.inserting_after(anchor):
+                released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, len(anchors)))
+            released.meta["val"] = anchor.meta.get("val")
+            anchor.replace_all_uses_with(released, delete_user_cb=lambda u, r=released: u is not r)
     refresh_layouts(graph, gathered_values)
     graph.lint()
     return kept
