@@ -151,7 +151,7 @@ def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[s
         report = engine.schedule_report()
         assert report and report["entry"] == "step 2: prefetch, selective_gather", report
         assert report["graphs"] and all(g["profile_complete"] for g in report["graphs"]), report
-    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict().items()})
+    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
     engine.destroy()
     ref = train_reference(name, steps, gas=gas, device=ctx.device)
     assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
