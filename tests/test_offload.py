@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from _harness import multiproc
 from _harness.multiproc import run_distributed
-from _harness.parity_cases import GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, \
+from _harness.parity_cases import GLOBAL_BATCH, assert_parity, batch, build_model, make_optimizer, run_steps, \
     train_reference
 from deepcompile.offload.plan import OffloadBudgetError, check_budget, plan_offload
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
@@ -94,24 +94,16 @@ def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None):
     import deepcompile
 
     torch._dynamo.reset()
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, device=ctx.device)
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), cfg)
     if backend is not None:
         engine.compile(backend=backend)
-    n = GLOBAL_BATCH // world
-    losses = []
-    for step in range(steps):
-        a, b = batch(name, step, device=ctx.device)
-        loss = engine(a[rank * n: (rank + 1) * n], b[rank * n: (rank + 1) * n])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+
+    def after_step(engine, step):
         if between_steps is not None and (step + 1) % gas == 0:
             between_steps(engine, step)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}), engine
+
+    return run_steps(engine, name, steps, ctx.device, after_step=after_step), engine
 
 
 def _check_offloaded_between_steps(expect_all: bool):

@@ -29,11 +29,10 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from _harness.multiproc import run_distributed, single_world_size, world_sizes
-from _harness.parity_cases import (GLOBAL_BATCH, RunResult, TiedEmbeddingLM, assert_parity, batch, make_optimizer,
+from _harness.parity_cases import (RunResult, TiedEmbeddingLM, assert_parity, batch, make_optimizer, run_steps,
                                    tiny_llama, train_reference)
 from test_zero3_parity import FP32_TOL
 
@@ -80,18 +79,7 @@ def reference_init(build, init_fn, device):
 
 
 def train(engine, name, steps, device):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = GLOBAL_BATCH // world
-    losses = []
-    for step in range(steps):
-        a, b = batch(name, step, device=device)
-        loss = engine(a[rank * n:(rank + 1) * n], b[rank * n:(rank + 1) * n])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    return run_steps(engine, name, steps, device)
 
 
 def train_single(model, name, steps, device):

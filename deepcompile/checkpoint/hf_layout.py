@@ -18,6 +18,7 @@ the module's ``state_dict`` names.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -28,19 +29,21 @@ import torch.nn as nn
 from deepcompile.checkpoint.safetensors_files import Index, SafetensorsWeights
 
 
-class Source:
+class Source(abc.ABC):
     """A full parameter as it is stored: ``names`` of the stored tensors it is made of,
     ``shape`` from their shapes, ``read`` of one rectangular piece."""
 
+    @abc.abstractmethod
     def names(self) -> List[str]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def shape(self, shapes: Dict[str, torch.Size]) -> torch.Size:
         """Raises ValueError when the stored tensors do not fit together."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, weights: SafetensorsWeights, index: Index) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
 
 @dataclasses.dataclass

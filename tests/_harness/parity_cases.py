@@ -341,6 +341,15 @@ def train_engine(
         engine._compiled = compiled
     elif backend is not None:
         engine.compile(backend=backend)
+    return run_steps(engine, name, steps, device, dtype=dtype), engine
+
+
+def run_steps(engine, name: str, steps: int, device: torch.device, dtype=torch.float32,
+              after_step=None) -> RunResult:
+    """Train ``engine`` for ``steps`` micro-steps on this rank's slice of each global batch; the
+    losses are averaged over the ranks, the parameters gathered on every rank.
+    ``after_step(engine, step)`` runs after each ``engine.step()``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     n = GLOBAL_BATCH // world
     losses = []
     for step in range(steps):
@@ -351,7 +360,9 @@ def train_engine(
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}), engine
+        if after_step is not None:
+            after_step(engine, step)
+    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
 
 
 def assert_parity(got: RunResult, ref: RunResult, rtol: float, atol: float) -> None:
