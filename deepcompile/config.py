@@ -538,8 +538,10 @@ class ZeroConfig(_Section):
         "parameters' dtype) whenever they are called.", auto="kept: the key has no effect either way")
     sub_group_size: Optional[int] = _key(
         _optional(_integer(1)), None,
-        "ZeRO-3 (inert under ZeRO-1/2): the optimizer step runs over all of this rank's master shards at once; "
-        "accepted when that is one sub-group (at least ceil(parameter count / world size) elements), a smaller value is refused.")
+        "ZeRO-3 (inert under ZeRO-1/2, as in DeepSpeed, whose ZeRO-1/2 step their flat partitions whole): the "
+        "optimizer step updates at most this many master elements at a time, dropping each sub-group's gradients "
+        "after it (lower step peak), and optimizer-state offload streams the step per sub-group. Null: DeepSpeed's "
+        "default, 1e9 elements.")
     offload_param: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
     offload_optimizer: Optional[OffloadOptimizer] = _key(
         _offload_optimizer, None, "Optimizer-state offload to host memory: {\"device\": \"cpu\", \"pin_memory\": "
@@ -1040,7 +1042,7 @@ class Config(_Section):
 
         ``model`` supplies the hidden size and parameter dtypes for the derivations (module
         docstring) and the parameter count for the keys accepted only when they cannot bind
-        (``stage3_max_live_parameters``, ``stage3_max_reuse_distance``, ``sub_group_size``).
+        (``stage3_max_live_parameters``, ``stage3_max_reuse_distance``).
         ``communication_data_type`` is checked against the dtype the model will train in. Raises
         :class:`ConfigError` naming every key that cannot be honoured. Idempotent.
         """
@@ -1088,8 +1090,7 @@ class Config(_Section):
             total = sum(p.numel() for p in params)
             per_rank = -(-total // world_size)
             for name, bound, what in (("stage3_max_live_parameters", total, "parameters"),
-                                      ("stage3_max_reuse_distance", total, "parameters"),
-                                      ("sub_group_size", per_rank, "parameter elements per rank")):
+                                      ("stage3_max_reuse_distance", total, "parameters")):
                 value = getattr(z, name)
                 if value is not None and value < bound:
                     key = f"zero_optimization.{name}"
@@ -1166,7 +1167,6 @@ _BINDING = {
     "stage3_max_reuse_distance": "which released parameters stay gathered is planned under "
                                  "compile.memory_budget_bytes / memory_budget_fraction (selective_gather), not by a "
                                  "reuse distance; remove the key and set a memory budget",
-    "sub_group_size": "the optimizer step updates all of this rank's master shards at once",
 }
 
 

@@ -14,15 +14,23 @@ A step (``Engine``):
 * ``before_backward(boundary=True)``: the units the plan lets come back during the backward (the
   headroom the budget leaves above the measured forward/backward peak) start reloading on the
   reload lane, those of the last parameters first (their gradients are final first);
-* ``before_step()``: everything still on the host is reloaded; the compute stream waits for the
-  reload copies (events, no host synchronisation) and the optimizer step runs on the device;
-* ``after_step()``: each unit the plan offloads is copied to the host on the offload lane, ordered
-  after the step, and its device storage is freed at once (the allocator is told the offload lane
-  still reads it), so the copy overlaps the next forward.
+* ``before_step()``: under ZeRO-1/2 everything still on the host is reloaded; the compute stream
+  waits for the reload copies (events, no host synchronisation) and the optimizer step runs on the
+  device;
+* under ZeRO-3 the step instead *streams* (``before_sub_group``/``after_sub_group``, called by the
+  step in sub-groups of ``zero_optimization.sub_group_size``, zero/sub_groups.py): the next
+  sub-group's units reload while this one steps, and each sub-group's offloaded units are written
+  back as soon as it has stepped, so the step holds a window of two sub-groups of state, not all;
+* ``after_step()``: each unit the plan offloads and still on the device is copied to the host on
+  the offload lane, ordered after the step, and its device storage is freed at once (the allocator
+  is told the offload lane still reads it), so the copy overlaps the next forward.
 
 Torch optimizers create their state at their first step: the first plan is made right after it,
 from that step's measurements, and state first created later (a parameter whose first gradient
 came later) is planned at the step that creates it. Before the first step nothing is offloaded.
+When the step streams, state created by a sub-group is written back provisionally right after it
+(the step could not hold all of it otherwise); what the plan then keeps resident comes back at
+once.
 """
 
 from __future__ import annotations
@@ -86,15 +94,37 @@ class OptimizerStateOffload:
         self._stepped_ids: set = set()
         self._new_ids = True  # the first step plans
         sharding.before_state_access = self.materialize
+        # ZeRO-3 steps in sub-groups and lets the step stream through these hooks.
+        self.streams = getattr(sharding, "stage", None) == 3
+        if self.streams:
+            sharding.sub_group_hooks = self
+        self._groups: List[List[int]] = []  # the sub-groups of the last streamed step
+        self._units_of: Dict[int, List[OffloadUnit]] = {}  # ds id -> units holding its state
+        self._provisional_failure: Optional[str] = None
+        self._planned_keys: set = set()  # units the last plan covered
 
     # ---- units --------------------------------------------------------------------------------
 
-    def _discover(self) -> Dict[int, OffloadUnit]:
-        """The device storages that may move, by storage key (existing units kept)."""
+    def _discover(self, only_ids: Optional[set] = None) -> Dict[int, OffloadUnit]:
+        """The device storages that may move, by storage key (existing units kept); ``only_ids``:
+        only those holding the state of these parameters."""
         found: Dict[int, OffloadUnit] = {}
         self._discovering = True
         try:
             for shard in self.sharding.shards():
+                if only_ids is not None and shard.ds_id not in only_ids:
+                    continue
+                known = self._units_of.get(shard.ds_id)
+                if known and any(u.on_host for u in known):
+                    # Written back by a streamed step (their device storage is empty, so no view
+                    # of them can be taken); state is only replaced through materialize(), which
+                    # brings them back first.
+                    for unit in known:
+                        if unit.storage_key not in found:
+                            unit.ds_ids = []
+                            found[unit.storage_key] = unit
+                        unit.ds_ids.append(shard.ds_id)
+                    continue
                 n = shard.local.numel()
                 if n == 0:
                     continue
@@ -139,7 +169,8 @@ class OptimizerStateOffload:
                 self._reload(unit)
 
     def before_step(self) -> None:
-        """Everything the step reads is on the device (the compute stream waits for it)."""
+        """Everything the step reads is on the device (the compute stream waits for it), or, when
+        the step streams, will be brought in per sub-group."""
         from deepcompile import runtime
 
         if self.peak_without is None:
@@ -155,7 +186,38 @@ class OptimizerStateOffload:
         if ids - self._stepped_ids:
             self._new_ids = True
             self._stepped_ids |= ids
-        self.materialize()
+        if not self.streams:
+            self.materialize()
+
+    def before_sub_group(self, index: int, groups: List[List[int]]) -> None:
+        """Sub-group ``index`` is about to step: its state is on the device for the compute
+        stream, and the next sub-group's starts coming back (overlapping this one's step)."""
+        self._groups = groups
+        ahead = groups[index: index + 2]
+        for ids in ahead:
+            for ds_id in ids:
+                for unit in self._units_of.get(ds_id, ()):
+                    self._reload(unit)
+        for ds_id in groups[index]:
+            for unit in self._units_of.get(ds_id, ()):
+                self.lanes.wait(unit.reloading)
+                unit.reloading = None
+
+    def after_sub_group(self, index: int, groups: List[List[int]]) -> None:
+        """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
+        just created: all of it, until the plan after this step says what stays)."""
+        ids = groups[index]
+        fresh = [u for u in self._discover(set(ids)).values() if u.storage_key not in self.units]
+        for unit in fresh:
+            self.units[unit.storage_key] = unit
+            for ds_id in unit.ds_ids:
+                self._units_of.setdefault(ds_id, []).append(unit)
+            if self._ensure_host(unit):
+                unit.planned_out = True  # provisional: the plan at after_step decides
+        for ds_id in ids:
+            for unit in self._units_of.get(ds_id, ()):
+                if unit.planned_out:
+                    self._offload(unit)
 
     def after_step(self) -> None:
         """Write back what the plan offloads; the next forward overlaps the copies."""
@@ -170,6 +232,8 @@ class OptimizerStateOffload:
         for unit in self.units.values():
             if unit.planned_out:
                 self._offload(unit)
+            else:
+                self._reload(unit)  # written back provisionally, kept by the plan: comes back now
 
     def materialize(self) -> None:
         """Bring every offloaded unit back to the device; they stay until the next after_step."""
@@ -184,13 +248,22 @@ class OptimizerStateOffload:
     # ---- planning -----------------------------------------------------------------------------
 
     def _replan(self, found: Dict[int, OffloadUnit], collective: bool) -> None:
-        new_bytes = sum(u.nbytes for k, u in found.items() if k not in self.units)
-        if self.step_floor is None:
+        new_bytes = sum(u.nbytes for k, u in found.items() if k not in self._planned_keys)
+        if self.streams:
+            # A streamed step holds its other memory plus two sub-groups' state at a time (the
+            # resident units come on top, as in the forward: plan.py).
+            self.step_floor = self._other_at_step + self._window_bytes(found)
+        elif self.step_floor is None:
             # The step needs its other memory plus every offloadable tensor, all reloaded.
             self.step_floor = self._other_at_step + sum(u.nbytes for u in found.values())
         else:
             self.step_floor += new_bytes
         self.units = found
+        self._planned_keys = set(found)
+        self._units_of = {}
+        for unit in found.values():
+            for ds_id in unit.ds_ids:
+                self._units_of.setdefault(ds_id, []).append(unit)
         ordered = sorted(found.values(), key=lambda u: u.order_key)
         peak_without, step_floor = self.peak_without, self.step_floor
         if collective:
@@ -199,7 +272,9 @@ class OptimizerStateOffload:
             self.peak_without, self.step_floor = peak_without, step_floor
             check_budget(self.settings.budget_bytes, self.settings.budget_name, peak_without, step_floor)
         budget = self.settings.budget_bytes
-        keep_limit = None if budget is None else budget - peak_without
+        # Resident units occupy the device through the forward/backward and the step alike.
+        keep_limit = None if budget is None else budget - (max(peak_without, step_floor) if self.streams
+                                                             else peak_without)
         self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction)
         self.planned_at_step = self.steps
         headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
@@ -210,11 +285,10 @@ class OptimizerStateOffload:
             if out and headroom >= unit.nbytes:
                 unit.early = True  # fits beside the backward's peak: reload from its start
                 headroom -= unit.nbytes
-            if out and (unit.host is None or unit.host.numel() != unit.nbytes) and failure is None:
-                try:
-                    unit.host = host_memory.empty_host(unit.nbytes, self.settings.pin_memory)
-                except host_memory.PinnedMemoryError as e:
-                    failure = f"{self._label(unit)}: {e}"
+            if out and failure is None and not self._ensure_host(unit):
+                failure = self._provisional_failure
+        failure = failure or self._provisional_failure
+        self._provisional_failure = None
         failed = float(failure is not None)
         if collective:
             (failed,) = self._max_over_ranks([failed])
@@ -225,6 +299,27 @@ class OptimizerStateOffload:
                 + (f"; {self.plan.offloaded_bytes} bytes were to be offloaded. Lower what is offloaded "
                    "(offload_optimizer.ratio, a larger compile.memory_budget_*), free host memory"
                    + (", or set offload_optimizer.pin_memory false" if self.settings.pin_memory else "")))
+
+    def _ensure_host(self, unit: OffloadUnit) -> bool:
+        """``unit`` has a host buffer (allocated now if needed); False (and the failure noted, to
+        be raised on every rank by the next collective plan) when it cannot get one."""
+        if unit.host is not None and unit.host.numel() == unit.nbytes:
+            return True
+        try:
+            unit.host = host_memory.empty_host(unit.nbytes, self.settings.pin_memory)
+            return True
+        except host_memory.PinnedMemoryError as e:
+            self._provisional_failure = self._provisional_failure or f"{self._label(unit)}: {e}"
+            return False
+
+    def _window_bytes(self, found: Dict[int, OffloadUnit]) -> int:
+        """The most state bytes two consecutive sub-groups of the last step hold."""
+        per_id: Dict[int, int] = {}
+        for unit in found.values():
+            for ds_id in unit.ds_ids:
+                per_id[ds_id] = per_id.get(ds_id, 0) + unit.nbytes // len(unit.ds_ids)
+        sizes = [sum(per_id.get(i, 0) for i in ids) for ids in self._groups] or [0]
+        return max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
 
     def _max_over_ranks(self, values: List[float]) -> List[int]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

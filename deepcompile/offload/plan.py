@@ -5,13 +5,17 @@ side (copies, streams, freeing) is ``opt_states.py``.
 
 Model. Between optimizer steps, every tensor the plan keeps *resident* occupies the device through
 the whole forward and backward, so it adds to their peak; an *offloaded* tensor occupies nothing
-there. For the optimizer step every offloaded tensor is reloaded: the step needs all the state on
-the device at once, whatever the plan. So with ``peak_without`` the forward/backward peak with no
+there. So with ``peak_without`` the forward/backward peak with no
 offloadable tensor on the device and ``step_floor`` the device memory the step needs:
 
+* ZeRO-1/2 reload every offloaded tensor for the step, so there ``step_floor`` is the step's other
+  memory plus all offloadable bytes; ZeRO-3 streams its step in sub-groups (zero/sub_groups.py),
+  so there ``step_floor`` is the other memory plus the two largest consecutive sub-groups' state,
+  and resident tensors are counted against the step as well as the forward/backward;
 * the smallest plan (everything offloaded) needs ``max(peak_without, step_floor)``; a budget below
   that cannot be met by any plan (:class:`OffloadBudgetError`, which names the minimum);
-* otherwise at most ``budget - peak_without`` bytes may stay resident, and the plan offloads the
+* otherwise at most ``budget - peak_without`` bytes (streamed: ``budget - max(peak_without,
+  step_floor)``) may stay resident, and the plan offloads the
   fewest bytes that bring the resident total under that, greedily: the largest tensors first (few,
   large, efficient transfers) until the smallest tensor that alone covers what is still missing
   completes the plan (so it does not overshoot by a whole large tensor).

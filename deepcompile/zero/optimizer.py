@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from deepcompile.zero.grad_clip import clip_grad_norm_
 from deepcompile.zero.partition import ShardedParam
+from deepcompile.zero.sub_groups import SubGroupHooks, split_sub_groups
 
 
 class ShardedOptimizer:
@@ -76,22 +77,43 @@ class ShardedOptimizer:
         device = self.params[0].shard.device if self.params else torch.device("cpu")
         return clip_grad_norm_(self.grads(), max_norm, self.group, device)
 
-    def step(self) -> None:
+    def step(self, sub_group_size: Optional[int] = None, hooks: Optional[SubGroupHooks] = None) -> None:
+        """Update the masters from this window's gradient partitions, in sub-groups of at most
+        ``sub_group_size`` elements (None: all at once); each sub-group's gradient partitions are
+        dropped right after it has stepped (zero/sub_groups.py)."""
         from deepcompile import runtime
 
-        for sp in self.trainable:
-            # As in torch: a parameter that got no gradient in this window is not stepped.
-            grad = runtime.grad_target(sp.ds_id) if runtime.was_reduced(sp.ds_id) else None
-            # A partition in the reduce dtype (bf16 with communication_data_type "bf16") meets
-            # the fp32 master weights in fp32.
-            sp.master.grad = grad if grad is None or grad.dtype == sp.master.dtype else grad.to(sp.master.dtype)
-        self.optimizer.step()
-        for sp in self.trainable:
-            sp.master.grad = None
-            # The runtime gathers from `shard`; an optimizer that rebinds `.data` instead of
-            # updating in place (no torch.optim optimizer does) would silently stop training.
-            if sp.master.data_ptr() != sp.shard.data_ptr():
-                raise RuntimeError(
-                    f"ZeRO-3: the optimizer replaced the storage of the master weights of {sp.name} instead of "
-                    "updating them in place; deepcompile gathers parameters from that storage"
-                )
+        # As in torch: a parameter that got no gradient in this window is not stepped.
+        stepped = [sp for sp in self.trainable if runtime.was_reduced(sp.ds_id)]
+        by_id = {sp.ds_id: sp for sp in stepped}
+        if sub_group_size is None:
+            groups = [[sp.ds_id for sp in reversed(stepped)]] if stepped else []
+        else:
+            groups = split_sub_groups([(sp.ds_id, sp.shard.numel()) for sp in stepped], sub_group_size)
+        self.last_sub_groups = groups
+        if not groups:
+            self.optimizer.step()  # nothing to update; the optimizer still counts its step
+        for index, ids in enumerate(groups):
+            if hooks is not None:
+                hooks.before_sub_group(index, groups)
+            members = [by_id[i] for i in ids]
+            for sp in members:
+                grad = runtime.grad_target(sp.ds_id)
+                # A partition in the reduce dtype (bf16 with communication_data_type "bf16") meets
+                # the fp32 master weights in fp32.
+                sp.master.grad = grad if grad.dtype == sp.master.dtype else grad.to(sp.master.dtype)
+            self.optimizer.step()
+            for sp in members:
+                sp.master.grad = None
+                # The runtime gathers from `shard`; an optimizer that rebinds `.data` instead of
+                # updating in place (no torch.optim optimizer does) would silently stop training.
+                if sp.master.data_ptr() != sp.shard.data_ptr():
+                    raise RuntimeError(
+                        f"ZeRO-3: the optimizer replaced the storage of the master weights of {sp.name} instead of "
+                        "updating them in place; deepcompile gathers parameters from that storage"
+                    )
+            if len(groups) > 1:
+                # This sub-group's gradients are spent: their memory serves the next sub-groups.
+                runtime.unbind_grad_targets(ids)
+            if hooks is not None:
+                hooks.after_sub_group(index, groups)

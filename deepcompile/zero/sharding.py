@@ -67,6 +67,10 @@ class Sharding(abc.ABC):
     # device, not in a freed device copy.
     before_state_access: Optional[Callable[[], None]] = None
 
+    # Set by optimizer-state offload under ZeRO-3, which steps in sub-groups (zero/sub_groups.py):
+    # called around each sub-group of the optimizer step, to stream the state through the device.
+    sub_group_hooks: Optional[Any] = None
+
     def _state_on_device(self) -> None:
         if self.before_state_access is not None:
             self.before_state_access()

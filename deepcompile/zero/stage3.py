@@ -14,6 +14,7 @@ from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.materialize import InitFn, still_unset
 from deepcompile.zero.partition import ShardedParam, partition_parameters
+from deepcompile.zero.sub_groups import DEFAULT_SUB_GROUP_SIZE
 from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_state, optimizer_state_piece
 
 
@@ -33,6 +34,9 @@ class Zero3Sharding(Sharding):
         self.device = self.params[0].shard.device if self.params else torch.device(device or "cpu")
         self.unset_params = list(self.materialized.unset_params)
         self.optimizer = ShardedOptimizer(optimizer, self.params, group)
+        # zero_optimization.sub_group_size: the step updates at most this many master elements at
+        # a time (zero/sub_groups.py); DeepSpeed's default when unset.
+        self.sub_group_size = config.zero_optimization.sub_group_size or DEFAULT_SUB_GROUP_SIZE
         # communication_data_type: trainable gradients are reduced in this dtype, and their
         # partitions are allocated in it (fp32 unless "bf16").
         reduce_dtype = config.zero3_reduce_dtype()
@@ -57,7 +61,7 @@ class Zero3Sharding(Sharding):
     def step(self, gradient_clipping: float) -> torch.Tensor:
         # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
         norm = self.optimizer.clip_grad_norm(gradient_clipping)
-        self.optimizer.step()
+        self.optimizer.step(self.sub_group_size, self.sub_group_hooks)
         self.optimizer.zero_grad()
         # The master shards (the gather sources) changed in place: gathered copies (persistent
         # ones included) are stale.
