@@ -131,6 +131,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--memory-budget-gib", type=float, default=None,
                    help="deepcompile ZeRO-3 compile.memory_budget_bytes in GiB for the profile-guided passes "
                         "(default: compile.memory_budget_fraction of the device)")
+    p.add_argument("--sub-group-size", type=float, default=None,
+                   help="deepcompile ZeRO-3 zero_optimization.sub_group_size in elements (default: the library's, "
+                        "DeepSpeed's 1e9): the optimizer step updates at most this many master elements at a time")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
@@ -290,6 +293,8 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -
     }
     if ctx.args.memory_budget_gib is not None:
         config["compile"]["memory_budget_bytes"] = int(ctx.args.memory_budget_gib * 2**30)
+    if ctx.args.sub_group_size is not None and stage == 3:
+        config["zero_optimization"]["sub_group_size"] = int(ctx.args.sub_group_size)
     try:
         engine = deepcompile.initialize(model, optimizer, config)
     except BaseException:
