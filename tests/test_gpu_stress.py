@@ -211,12 +211,23 @@ def assert_bitwise_equal(overlapped: RunResult, serialized: RunResult, what: str
                            "(losses were identical):\n" + "\n".join(differing))
 
 
-def _stress_body(ctx, stage: int, sizes: dict, backend: str, steps: int, min_prefetch_groups: int):
+def offload_config(sizes: dict) -> dict:
+    """Optimizer-state offload with a ZeRO-3 step streamed one block's fc1 weight per sub-group:
+    reloads, steps and write-backs of neighbouring sub-groups in flight on three streams."""
+    return {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "sub_group_size": sizes["width"] * sizes["ffn"]}
+
+
+def _stress_body(ctx, stage: int, sizes: dict, backend: str, steps: int, min_prefetch_groups: int,
+                 offload: bool = False):
     runs: Dict[str, RunResult] = {}
     groups: Dict[str, Optional[int]] = {}
     with deterministic_inductor():
         for mode in ("overlapped", "serialized"):
             config = stress_config(stage, sizes, serialized=mode == "serialized")
+            if offload and mode == "overlapped":
+                # Compared with the serialized run *without* offload: offload must move bytes only,
+                # and its copies must be ordered against the step and the next forward.
+                config["zero_optimization"].update(offload_config(sizes))
             runs[mode], groups[mode] = train_engine(ctx, sizes, config, backend, steps)
     what = f"ZeRO-{stage} ({backend}, rank {ctx.rank})"
     assert_bitwise_equal(runs["overlapped"], runs["serialized"], what)
@@ -255,7 +266,16 @@ def test_zero2_overlapped_equals_serialized():
     run_distributed(_stress_body, WORLD, args=(2, GPU_SIZES, "inductor", GPU_MICRO_STEPS, 0), timeout=600)
 
 
+@pytest.mark.gpu
+def test_zero3_overlapped_with_offload_equals_serialized():
+    """As test_zero3_overlapped_equals_serialized, with optimizer-state offload streaming the step
+    in the overlapped run only: bitwise the serialized run without offload."""
+    run_distributed(_stress_body, WORLD, args=(3, GPU_SIZES, "inductor", GPU_MICRO_STEPS, 8),
+                    kwargs={"offload": True}, timeout=600)
+
+
 @cpu_only
-@pytest.mark.parametrize("stage", [2, 3])
-def test_overlapped_equals_serialized_cpu_smoke(stage):
-    run_distributed(_stress_body, WORLD, args=(stage, CPU_SIZES, "inductor", CPU_MICRO_STEPS, 4), timeout=600)
+@pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (3, True)])
+def test_overlapped_equals_serialized_cpu_smoke(stage, offload):
+    run_distributed(_stress_body, WORLD, args=(stage, CPU_SIZES, "inductor", CPU_MICRO_STEPS, 4),
+                    kwargs={"offload": offload}, timeout=600)
