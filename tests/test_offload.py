@@ -380,6 +380,15 @@ def _gpu_body(ctx, stage: int, steps: int, early: int, sub_group_size=None):
                 readings["offloaded_blocks"] = mem.bytes_of([u.device_bytes for u in units])
                 readings["offloaded_bytes"] = sum(u.nbytes for u in units)
                 assert back - readings[early] == readings["offloaded_blocks"], (back, readings)
+                report = off.report()
+                # The link was measured (any real PCIe/NVLink-C2C host link moves > 1 GB/s) and the
+                # prediction is the offloaded bytes over it.
+                link = report["copy_bandwidth"]
+                assert link["host_to_device"] > 1e9 and link["device_to_host"] > 1e9, link
+                assert report["predicted_transfer_s_per_step"] == pytest.approx(
+                    max(report["offloaded_bytes"] / link["host_to_device"],
+                        report["offloaded_bytes"] / link["device_to_host"]))
+                assert "predicted transfer per step" in engine.scheduler.report.text()
         params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
         engine.destroy()
         return torch.stack(losses).float(), params, readings

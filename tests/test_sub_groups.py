@@ -182,7 +182,12 @@ def _window_body(ctx):
         with pytest.raises(OffloadBudgetError, match=f"at least {window} bytes"):
             _train(ctx, "mlp", _config(SMALL, offload=True, budget=window - 1), "eager", 2)
         _, engine = _train(ctx, "mlp", _config(SMALL, offload=True, budget=window), "eager", 2)
-        assert engine.offload.report()["step_floor_bytes"] == window
+        report = engine.offload.report()
+        assert report["step_floor_bytes"] == window
+        # Everything offloaded (no room beside the window): the step's floor is the peak.
+        assert report["resident_bytes"] == 0 and report["predicted_peak_bytes"] == window
+        assert report["copy_bandwidth"] is None  # no host-device link on a CPU device
+        assert f"predicted peak {window} B" in engine.scheduler.report.text()
         engine.destroy()
     finally:
         device_memory.peak_allocated, device_memory.allocated = saved

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from deepcompile import compat
-from deepcompile.offload import device_memory, host_memory
+from deepcompile.offload import bandwidth, device_memory, host_memory
 from deepcompile.offload.lanes import CopyLanes
 from deepcompile.offload.plan import OffloadPlan, check_budget, plan_offload
 from deepcompile.offload.settings import OptStateOffloadSettings
@@ -102,6 +102,7 @@ class OptimizerStateOffload:
         self._units_of: Dict[int, List[OffloadUnit]] = {}  # ds id -> units holding its state
         self._provisional_failure: Optional[str] = None
         self._planned_keys: set = set()  # units the last plan covered
+        self._peak_at_plan = 0
 
     # ---- units --------------------------------------------------------------------------------
 
@@ -277,6 +278,7 @@ class OptimizerStateOffload:
                                                              else peak_without)
         self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction)
         self.planned_at_step = self.steps
+        self._peak_at_plan = device_memory.peak_allocated(self.device)
         headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
         failure = None
         for unit, out in zip(ordered, self.plan.offloaded):
@@ -351,6 +353,16 @@ class OptimizerStateOffload:
 
     def report(self) -> Dict[str, Any]:
         plan = self.plan
+        offloaded = plan.offloaded_bytes if plan else 0
+        resident = plan.resident_bytes if plan else sum(u.nbytes for u in self.units.values())
+        early = sum(u.nbytes for u in self.units.values() if u.early)
+        link = bandwidth.copy_bandwidth(self.device) if plan and offloaded else None
+        predicted_peak = None
+        if plan and self.peak_without is not None and self.step_floor is not None:
+            # The forward/backward holds the resident state and the early reloads; the step its
+            # floor (plan.py) plus the resident state.
+            predicted_peak = max(self.peak_without + resident + early, self.step_floor + resident)
+        peak_now = device_memory.peak_allocated(self.device)
         return {
             "enabled_by": self.settings.enabled_by,
             "budget_bytes": self.settings.budget_bytes,
@@ -360,9 +372,17 @@ class OptimizerStateOffload:
             "planned_after_step": self.planned_at_step,
             "peak_without_offloadable_bytes": self.peak_without,
             "step_floor_bytes": self.step_floor,
-            "offloaded_bytes": plan.offloaded_bytes if plan else 0,
-            "resident_bytes": plan.resident_bytes if plan else sum(u.nbytes for u in self.units.values()),
-            "reloaded_during_backward_bytes": sum(u.nbytes for u in self.units.values() if u.early),
+            "offloaded_bytes": offloaded,
+            "resident_bytes": resident,
+            "reloaded_during_backward_bytes": early,
+            # Every offloaded byte goes to the host after a step and comes back for the next one.
+            "copy_bandwidth": None if link is None else dataclasses.asdict(link),
+            "predicted_transfer_s_per_step": None if link is None else link.seconds(offloaded, offloaded),
+            "predicted_peak_bytes": predicted_peak,
+            # The allocator's peak is never reset here (others read it): a peak above the one of
+            # the plan's step happened since; otherwise it is at most that.
+            "measured_peak_bytes": peak_now if plan and peak_now > self._peak_at_plan else None,
+            "peak_at_plan_bytes": self._peak_at_plan if plan else None,
             "tensors": [{"tensor": self._label(u), "bytes": u.nbytes, "offloaded": u.planned_out,
                          "reload": "backward" if u.early else "before step" if u.planned_out else None}
                         for u in sorted(self.units.values(), key=lambda u: u.order_key)],

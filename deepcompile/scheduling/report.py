@@ -38,6 +38,16 @@ def _offload_lines(o: Dict[str, Any]) -> List[str]:
              f"backward; budget {o['budget']}" + (f" = {_mib(o['budget_bytes'])}" if o['budget_bytes'] else "")
              + (" (not planned yet: the plan is made after the first optimizer step)"
                 if o["planned_after_step"] is None else "")]
+    if o.get("predicted_transfer_s_per_step") is not None:
+        bw = o["copy_bandwidth"]
+        lines.append(f"  predicted transfer per step: {o['predicted_transfer_s_per_step'] * 1e3:.1f} ms each way, "
+                     f"overlapped (measured link: host to device {bw['host_to_device'] / 1e9:.1f} GB/s, "
+                     f"device to host {bw['device_to_host'] / 1e9:.1f} GB/s)")
+    if o.get("predicted_peak_bytes") is not None:
+        measured = o.get("measured_peak_bytes")
+        lines.append(f"  predicted peak {_mib(o['predicted_peak_bytes'])}; measured "
+                     + (f"{_mib(measured)} since the plan" if measured is not None else
+                        f"not above the peak of the planning step ({_mib(o['peak_at_plan_bytes'])})"))
     lines += [f"    {t['tensor']}: {_mib(t['bytes'])}, " + (f"offloaded, reloaded {t['reload']}" if t["offloaded"]
                                                           else "resident") for t in o["tensors"]]
     return lines
