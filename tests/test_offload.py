@@ -363,7 +363,16 @@ def _gpu_body(ctx, stage: int, steps: int, early: int, sub_group_size=None):
             x, y = make_batch(step, bsz * world, width, torch.float32, ctx.device)
             loss = engine(x[rank * bsz:(rank + 1) * bsz], y[rank * bsz:(rank + 1) * bsz])
             engine.backward(loss)
-            engine.step()
+            if offload and step == early + 2:
+                # A planned step (reloads, the step, write-backs) never waits on the host: any
+                # synchronising CUDA call in it raises here.
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            else:
+                engine.step()
             # On the host: a device copy per step would itself grow memory between the readings.
             losses.append(loss.detach().cpu())
             if step + 1 in (early, steps):
