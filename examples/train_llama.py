@@ -52,6 +52,11 @@ def train_distributed(args, device):
         "train_micro_batch_size_per_gpu": args.batch // world,
         "gradient_clipping": 1.0,
     }
+    if args.offload:
+        # The Adam state lives in host memory between steps; the step streams it back a few
+        # parameters at a time (sub_group_size), overlapping reloads, the step and write-backs.
+        config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": True},
+                                           sub_group_size=50_000)
     engine = deepcompile.initialize(model, optimizer_for(model), config)
     engine.compile(backend=args.backend)
     per_rank = args.batch // world
@@ -98,6 +103,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--rtol", type=float, default=None, help="default: 1e-4 (inductor) / 1e-5 (eager)")
+    parser.add_argument("--offload", action="store_true", help="optimizer-state offload to host memory")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()

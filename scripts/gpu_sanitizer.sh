@@ -9,7 +9,8 @@
 #
 # Environment: OUT (log folder, default ./gpu-logs), SANITIZER_STEPS (default 3), SANITIZER_NPROC
 # (processes = GPUs, default 2; 1 on a one-GPU machine),
-# SANITIZER_TIMEOUT (seconds, default 240), SANITIZER_API_ERRORS (memcheck's
+# SANITIZER_TIMEOUT (seconds, default 240), SANITIZER_ARGS (more arguments for the job, e.g.
+# "--offload" for optimizer-state offload with a streamed step), SANITIZER_API_ERRORS (memcheck's
 # --report-api-errors: no (default) | explicit | all; NCCL and torch probe optional driver
 # features through calls that fail by design, which "explicit" reports as errors).
 # Logs: $OUT/sanitizer.log (compute-sanitizer's report), $OUT/sanitizer-app.log (the job's output).
@@ -54,7 +55,7 @@ fi
 {
   echo "gpu_sanitizer: $("$SANITIZER" --version 2>&1 | grep -i version | head -1)"
   echo "gpu_sanitizer: memcheck over ${LAUNCH[*]} --standalone --nproc-per-node $NPROC examples/train_llama.py" \
-       "--steps $STEPS --backend eager (limit ${LIMIT}s, api errors: $API_ERRORS)"
+       "--steps $STEPS --backend eager ${SANITIZER_ARGS:-} (limit ${LIMIT}s, api errors: $API_ERRORS)"
 } | tee "$OUT/sanitizer-run.txt"
 
 start=$(date +%s)
@@ -64,7 +65,7 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1 \
     --launch-timeout 120 --report-api-errors "$API_ERRORS" --error-exitcode 86 --print-limit 100 \
     --log-file "$LOG" \
   "${LAUNCH[@]}" --standalone --nproc-per-node $NPROC examples/train_llama.py --steps "$STEPS" --backend eager \
-  > "$APP_LOG" 2>&1
+  ${SANITIZER_ARGS:-} > "$APP_LOG" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 
