@@ -302,8 +302,8 @@ _PARAM_NVME_ONLY = {"nvme_path": lambda v, k: _optional(_string)(v, k), "buffer_
 def _offload_param(value: Any, key: str) -> Optional[OffloadParam]:
     """Absent, null or ``device: "none"``: None. ``device: "cpu"``: the ZeRO-3 parameter shards
     live in host memory (deepcompile/offload/). ``"nvme"``: refused until implemented."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, OffloadParam):  # already checked (dataclasses.replace re-checks)
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{key} must be an object or null, got {_show(value)}")
     _check_keys(value, _OFFLOAD_KEYS["offload_param"], key)
@@ -345,8 +345,8 @@ _NVME_ONLY = {"nvme_path": lambda v, k: _optional(_string)(v, k), "buffer_count"
 def _offload_optimizer(value: Any, key: str) -> Optional[OffloadOptimizer]:
     """Absent, null or ``device: "none"``: None. ``device: "cpu"``: optimizer-state offload to
     host memory. ``"nvme"``: refused until implemented."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, OffloadOptimizer):  # already checked (dataclasses.replace re-checks)
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{key} must be an object or null, got {_show(value)}")
     _check_keys(value, _OFFLOAD_KEYS["offload_optimizer"], key)
@@ -979,8 +979,9 @@ class Config(_Section):
                                              doc="Only disabled.")
 
     def _check_together(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
-        if (valid("compile") and valid("zero_optimization") and self.compile.offload_parameters
-                and self.zero_optimization.stage != 3):
+        # A section that failed its own checks is left as given (not a section object): skip.
+        if (isinstance(self.compile, CompileConfig) and isinstance(self.zero_optimization, ZeroConfig)
+                and self.compile.offload_parameters and self.zero_optimization.stage != 3):
             return [("compile.offload_parameters", "compile.offload_parameters: "
                      + _PARAM_OFFLOAD_STAGE.format(stage=self.zero_optimization.stage))]
         return []
