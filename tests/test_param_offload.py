@@ -154,6 +154,53 @@ def test_param_offload_together_with_optimizer_state_offload():
     run_distributed(_parity_body, 2, args=("mlp", "eager", "offload_param", 4), kwargs={"extra": extra})
 
 
+def _state_access_body(ctx):
+    from deepcompile import runtime
+    from _harness.parity_cases import GLOBAL_BATCH, batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = GLOBAL_BATCH // world
+
+    def one_more_step(e):
+        a, b = batch("mlp", 3, device=ctx.device)
+        e.backward(e(a[rank * n: (rank + 1) * n], b[rank * n: (rank + 1) * n]))
+        e.step()
+
+    # One engine at a time: engines share the process's runtime, whose registry is by ds id.
+    _, engine = _train(ctx, "mlp", _config(None), "eager", 3)
+    base_shards = {s.ds_id: s.local.clone() for s in engine.sharding.shards()}
+    one_more_step(engine)
+    base_state = engine.full_state_dict(all_ranks=True)
+    engine.destroy()
+
+    _, engine = _train(ctx, "mlp", _config("offload_param"), "eager", 3)
+    assert engine.offload.offloaded_units(), "nothing offloaded between steps"
+    # Reading sharded state (checkpoints, weight export) between steps brings the masters back to
+    # the device, and the gathers back to the device shards.
+    for s in engine.sharding.shards():
+        assert torch.equal(s.local, base_shards[s.ds_id]), s.name
+        assert runtime.host_shard(s.ds_id) is None, s.name
+    assert not engine.offload.offloaded_units()
+    # Training on continues identically, and the next step offloads again.
+    one_more_step(engine)
+    assert engine.offload.offloaded_units()
+    assert all(runtime.host_shard(i) is not None for i in engine.sharding.ds_id_of.values())
+    offloaded_state = engine.full_state_dict(all_ranks=True)
+    for key, value in base_state.items():
+        assert torch.equal(offloaded_state[key], value), key
+    # Rank-0 state dicts read the shards (gather_full.py), which brings them back first.
+    rank0 = engine.full_state_dict()
+    if rank == 0:
+        for key, value in base_state.items():
+            assert torch.equal(rank0[key], value), key
+    engine.destroy()
+
+
+@cpu_only
+def test_reading_sharded_state_between_steps():
+    run_distributed(_state_access_body, 2)
+
+
 # ---- the runtime API --------------------------------------------------------------------------
 
 

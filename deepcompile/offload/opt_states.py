@@ -257,6 +257,8 @@ class OptimizerStateOffload:
             return
         from deepcompile import runtime
 
+        if not to_host and not runtime.is_initialized():
+            return  # the runtime is gone (engine teardown): no gather to point back
         for ds_id in unit.ds_ids:
             host = None
             if to_host:
