@@ -23,7 +23,7 @@ from _harness import multiproc
 from _harness.multiproc import run_distributed
 from _harness.runtime_reference import CONFIG
 from _harness.parity_cases import assert_parity, build_model, make_optimizer, run_steps, train_reference
-from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
+from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
 ON = {
     "offload_parameters": {"compile": {"offload_parameters": True}},
@@ -40,11 +40,11 @@ def _config(param_offload=None, gas=1, extra=None):
     return cfg
 
 
-def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None):
+def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None, dtype=torch.float32):
     import deepcompile
 
     torch._dynamo.reset()
-    model = build_model(name, device=ctx.device)
+    model = build_model(name, dtype=dtype, device=ctx.device)
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), cfg)
     if backend is not None:
         engine.compile(backend=backend)
@@ -53,7 +53,7 @@ def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None):
         if between_steps is not None and (step + 1) % gas == 0:
             between_steps(engine, step)
 
-    return run_steps(engine, name, steps, ctx.device, after_step=after_step), engine
+    return run_steps(engine, name, steps, ctx.device, dtype=dtype, after_step=after_step), engine
 
 
 def _check_between_steps(state_offloaded: bool):
@@ -79,6 +79,9 @@ def _check_between_steps(state_offloaded: bool):
                 host = runtime.host_shard(ds_id)
                 assert host is not None and host.device.type == "cpu" and host.numel() == shard.numel()
                 assert host.untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
+        # Persistent parameters (stage3_param_persistence_threshold) are among them: re-gathered
+        # from their host shards after every step.
+        assert engine.sharding.persistent_ids()
         state = [u for u in off.units.values() if u.what != MASTER]
         assert state, "the optimizer has no per-element state to check"
         for u in state:
@@ -91,12 +94,14 @@ def _check_between_steps(state_offloaded: bool):
 
 
 def _parity_body(ctx, name, backend, key, steps, gas=1, extra=None):
-    base, engine = _train(ctx, name, _config(None, gas, extra), backend, steps)
+    bf16 = bool(extra and extra.get("bf16", {}).get("enabled"))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    base, engine = _train(ctx, name, _config(None, gas, extra), backend, steps, dtype=dtype)
     engine.destroy()
     state_offloaded = bool(extra and ("offload_optimizer" in extra.get("zero_optimization", {})
                                       or extra.get("compile", {}).get("offload_opt_states")))
     got, engine = _train(ctx, name, _config(key, gas, extra), backend, steps, gas,
-                         between_steps=_check_between_steps(state_offloaded))
+                         between_steps=_check_between_steps(state_offloaded), dtype=dtype)
     # Training left the masters on the host; the full state dict above was gathered from there.
     assert engine.offload.offloaded_units()
     if extra and extra.get("compile", {}).get("prefetch"):
@@ -110,7 +115,7 @@ def _parity_body(ctx, name, backend, key, steps, gas=1, extra=None):
     for k, value in base.params.items():
         assert torch.equal(got.params[k], value), k
     ref = train_reference(name, steps, gas=gas, device=ctx.device)
-    assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
+    assert_parity(got, ref, **(BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
 
 
 cpu_only = pytest.mark.skipif(multiproc.test_device_type() == "cuda",
@@ -146,6 +151,13 @@ def test_param_offload_parity_with_prefetch_and_selective_gather():
     extra = {"compile": {"warmup_steps": 1, "prefetch": True, "selective_gather": True}}
     run_distributed(_parity_body, 2, args=("llama", "eager", "offload_parameters", 4), kwargs={"extra": extra},
                     timeout=300)
+
+
+@cpu_only
+def test_param_offload_parity_bf16():
+    # bf16 parameters gathered from fp32 host shards: the cast happens after the host read.
+    run_distributed(_parity_body, 2, args=("mlp", "eager", "offload_parameters", 4),
+                    kwargs={"extra": {"bf16": {"enabled": True}}})
 
 
 @cpu_only
