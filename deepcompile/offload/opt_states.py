@@ -4,8 +4,9 @@ the fp32 master partitions live in host memory between optimizer steps, as far a
 Units. What moves is a whole device *storage*: each state tensor the optimizer created for a
 master (one per parameter under ZeRO-3, one per param group under ZeRO-1/2) and each ZeRO-1/2
 master partition; with parameter offload, each ZeRO-3 master shard too (always offloaded, and
-handed to the runtime as the gather source while on the host: ``_hand_gathers``). They are found through the stage's ``Sharding`` interface (``shards()`` and
-``shard_optimizer_state()``), so this module knows no stage's layout. Offloading a unit copies its
+handed to the runtime as the gather source while on the host: ``_hand_gathers``). They are found
+through the stage's ``Sharding`` interface (``shards()`` and ``shard_optimizer_state()``), so this
+module knows no stage's layout. Offloading a unit copies its
 bytes to a host buffer and frees the device storage (``resize_(0)``); the tensor objects the
 optimizer holds stay the same, so the optimizer never notices. Reloading re-allocates the storage
 in place and copies the bytes back: the values are bitwise those written.
@@ -75,6 +76,9 @@ class OptimizerStateOffload:
         self.group = group
         self.param_names = param_names
         self.lanes = CopyLanes(device)
+        if settings.offload_masters and self.lanes.async_ and not self.lanes.shares_runtime_lanes:
+            raise RuntimeError("parameter offload needs the deepcompile runtime initialized on " + str(device)
+                               + ": its gathers order their reads of host shards after the runtime's offload lane")
         self.units: Dict[int, OffloadUnit] = {}
         self.plan: Optional[OffloadPlan] = None
         self.planned_at_step: Optional[int] = None
