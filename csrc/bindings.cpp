@@ -100,6 +100,24 @@ PYBIND11_MODULE(_C, m) {
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
   }, py::call_guard<py::gil_scoped_release>());
   m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
+  m.def("set_host_shard", [](int64_t id, std::optional<at::Tensor> host) { currentRuntime().setHostShard(id, host); },
+        py::call_guard<py::gil_scoped_release>());
+  // The stream of a runtime lane as (stream_id, device_index, device_type): what torch.cuda.Stream
+  // wraps, so that Python's offload copies run on the lanes the gathers order themselves against.
+  m.def("lane_stream", [](const std::string& name) {
+    Runtime& rt = currentRuntime();
+    for (int i = 0; i < kNumLanes; ++i) {
+      const Lane lane = static_cast<Lane>(i);
+      if (name == laneName(lane)) {
+        const c10::StreamData3 data = rt.lanes().stream(lane).pack3();
+        return py::make_tuple(static_cast<int64_t>(data.stream_id), static_cast<int64_t>(data.device_index),
+                              static_cast<int64_t>(data.device_type));
+      }
+    }
+    TORCH_CHECK(false, "deepcompile: lane_stream: no lane named '", name,
+                "' (allgather, reduce-scatter, copy, offload, reload)");
+    return py::tuple();
+  });
   m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
   m.def("enable_profiling", [](bool enabled) { currentRuntime().setProfiling(enabled); });
   m.def("is_profiling", [] { return currentRuntime().profiling(); });
@@ -113,6 +131,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("gathered_buffer", &gatheredBuffer);
   m.def("gather_dtype", [](int64_t id) { return z3Of(id, "deepcompile: gather_dtype").gather_dtype; });
   m.def("registered_shard", &registeredData);
+  m.def("host_shard", [](int64_t id) -> std::optional<at::Tensor> {
+    const Z3Layout& z3 = z3Of(id, "deepcompile: host_shard");
+    if (!z3.host_shard.defined()) return std::nullopt;
+    return z3.host_shard;
+  });
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
   m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });

@@ -9,17 +9,18 @@ namespace {
 
 bool hasStorageBytes(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
 
-// Writes what this rank contributes to a gather of `p` (in `buffer`'s dtype) straight into its own
+// Writes what this rank contributes to a gather (in `buffer`'s dtype) straight into its own
 // chunk of `buffer` and returns that chunk: the gather then runs in place, with no staging temporary per
-// parameter (one allocation and one launch less, per parameter and gather). The parameter's value
-// is its shard rounded to the gather dtype (a trainable shard is the fp32 master copy, the module
-// may be bf16), so the shard is cast to the gather dtype first and only then to another requested
-// one: every dtype sees the same rounding as the module parameter. In the usual case (the buffer
-// is in the gather dtype) the copy is the single cast.
-at::Tensor stageOwnChunk(const Z3Layout& p, const at::Tensor& buffer, int rank) {
-  at::Tensor shard = p.shard.reshape({-1});
-  if (shard.scalar_type() != p.gather_dtype && buffer.scalar_type() != p.gather_dtype) {
-    shard = shard.to(p.gather_dtype);
+// parameter (one allocation and one launch less, per parameter and gather). `source` is the shard
+// the gather sends (gatherSource). The parameter's value is its shard rounded to the gather dtype
+// (a trainable shard is the fp32 master copy, the module may be bf16), so the shard is cast to the
+// gather dtype first and only then to another requested one: every dtype sees the same rounding
+// as the module parameter. In the usual case (the buffer is in the gather dtype) the copy is the
+// single cast.
+at::Tensor stageOwnChunk(const at::Tensor& source, at::ScalarType gather_dtype, const at::Tensor& buffer, int rank) {
+  at::Tensor shard = source.reshape({-1});
+  if (shard.scalar_type() != gather_dtype && buffer.scalar_type() != gather_dtype) {
+    shard = shard.to(gather_dtype);
   }
   at::Tensor own = buffer.narrow(0, static_cast<int64_t>(rank) * shard.numel(), shard.numel());
   own.copy_(shard);
@@ -32,6 +33,7 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*
                    const std::vector<at::ScalarType>& dtypes) {
   TORCH_INTERNAL_ASSERT(params.size() == dtypes.size());
   if (params.empty()) return;
+  prepareGatherSources(lanes, std::vector<const Z3Layout*>(params.begin(), params.end()));
   // The gather reads the shard (final once the optimizer step queued on compute is done) and may
   // overwrite a reused buffer that compute kernels still read: wait for compute first.
   lanes.waitCompute(Lane::AllGather);
@@ -50,7 +52,8 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*
         // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
         p.gathered = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
       }
-      comm.allGather(stageOwnChunk(p, p.gathered, comm.rank()), p.gathered);  // fused down-cast
+      // Fused down-cast; an offloaded shard is brought in here, as the first link of the gather.
+      comm.allGather(stageOwnChunk(gatherSource(lanes, p), p.gather_dtype, p.gathered, comm.rank()), p.gathered);
       p.valid = true;
     }
   }
@@ -59,17 +62,50 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*
 }
 
 at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& p, at::ScalarType dtype) {
+  prepareGatherSources(lanes, {&p});
   lanes.waitCompute(Lane::AllGather);
   at::Tensor buffer;
   {
     LaneScope scope(lanes, Lane::AllGather);
     buffer = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
     comm.beginGroup(Lane::AllGather);
-    comm.allGather(stageOwnChunk(p, buffer, comm.rank()), buffer);
+    comm.allGather(stageOwnChunk(gatherSource(lanes, p), p.gather_dtype, buffer, comm.rank()), buffer);
   }
   comm.endGroup()->blockStream(lanes.computeStream());
   lanes.recordStream(buffer, lanes.computeStream());
   return buffer;
+}
+
+bool shardHasStorage(const at::Tensor& shard) {
+  if (!shard.defined()) return false;
+  const int64_t needed = (shard.storage_offset() + shard.numel()) * static_cast<int64_t>(shard.element_size());
+  return shard.numel() == 0 || static_cast<int64_t>(shard.storage().nbytes()) >= needed;
+}
+
+void prepareGatherSources(Lanes& lanes, const std::vector<const Z3Layout*>& params) {
+  bool any_host = false;
+  for (const Z3Layout* p : params) {
+    any_host = any_host || p->host_shard.defined();
+    TORCH_CHECK(p->host_shard.defined() || shardHasStorage(p->shard), "deepcompile: ds id ", p->ds_id,
+                ": its device shard has no storage (it was offloaded) and no host shard is set, so there is "
+                "nothing to gather from (set_host_shard must name the host copy before the device storage is freed)");
+  }
+  // Host shards are written back by copies on the offload lane: the gathers read them only after
+  // everything queued there so far. (A CPU runtime's offload copies are synchronous.)
+  if (any_host && !lanes.device().is_cpu()) {
+    lanes.record(Lane::Offload)->blockStream(lanes.stream(Lane::AllGather));
+  }
+}
+
+at::Tensor gatherSource(Lanes& lanes, const Z3Layout& p) {
+  if (!p.host_shard.defined()) return p.shard;
+  // A CPU runtime's "device" is the host: the host shard is read as it is.
+  if (lanes.device().is_cpu()) return p.host_shard;
+  // Allocated on the all-gather lane (the current stream) and used only there: once the own chunk
+  // is staged, the allocator may hand the block out again to work ordered after it on this lane.
+  at::Tensor staging = at::empty(p.shard.sizes(), p.shard.options());
+  staging.copy_(p.host_shard, /*non_blocking=*/true);
+  return staging;
 }
 
 void freeGathered(Lanes& lanes, Z3Layout& p) {

@@ -21,6 +21,7 @@ DSParam::DSParam(DsId id_, std::vector<int64_t> shape_, int world_, Z3Layout lay
   TORCH_CHECK(world >= 1, "deepcompile: ds id ", id, ": world size must be >= 1, got ", world);
   layout.ppr = ceilDiv(numel, world);
   layout.padded_numel = layout.ppr * world;
+  layout.ds_id = id;
   layout_ = std::move(layout);
 }
 

@@ -249,6 +249,23 @@ void Runtime::setPersistent(DsId id, bool persistent) {
   }
 }
 
+void Runtime::setHostShard(DsId id, const std::optional<at::Tensor>& host) {
+  Z3Layout& z3 = registry_.get(id).z3("deepcompile: set_host_shard");
+  if (!host.has_value() || !host->defined()) {
+    z3.host_shard = at::Tensor();
+    return;
+  }
+  const at::Tensor& h = *host;
+  TORCH_CHECK(h.device().is_cpu(), "deepcompile: set_host_shard: the host shard of ds id ", id, " is on ", h.device(),
+              "; it must be a CPU tensor");
+  TORCH_CHECK(h.scalar_type() == z3.shard.scalar_type() && h.numel() == z3.shard.numel(),
+              "deepcompile: set_host_shard: the host shard of ds id ", id, " is ", c10::toString(h.scalar_type()),
+              " with ", h.numel(), " elements; the shard is ", c10::toString(z3.shard.scalar_type()), " with ",
+              z3.shard.numel(), " elements");
+  TORCH_CHECK(h.is_contiguous(), "deepcompile: set_host_shard: the host shard of ds id ", id, " must be contiguous");
+  z3.host_shard = h.view(z3.shard.sizes());
+}
+
 void Runtime::invalidateGathered(DsId id) { forgetGathered(registry_.get(id).z3("deepcompile: invalidate_gathered_param")); }
 
 void Runtime::forgetGathered(Z3Layout& z3) {

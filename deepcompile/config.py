@@ -286,18 +286,44 @@ _OFFLOAD_KEYS = {
 }
 
 
-def _no_offload(value: Any, key: str) -> None:
-    """ZeRO offload: accepted only when absent/null or with ``device: "none"``; normalized to None."""
-    if value is None:
-        return None
+@dataclasses.dataclass(frozen=True)
+class OffloadParam:
+    """``zero_optimization.offload_param`` with ``device: "cpu"``: ZeRO-3 parameter offload."""
+
+    device: str = "cpu"
+    pin_memory: bool = False  # DeepSpeed's default
+
+
+# Keys of offload_param that only NVMe offload reads (validated, no effect with device "cpu").
+_PARAM_NVME_ONLY = {"nvme_path": lambda v, k: _optional(_string)(v, k), "buffer_count": _integer(1),
+                    "buffer_size": _integer(1), "max_in_cpu": _integer(0)}
+
+
+def _offload_param(value: Any, key: str) -> Optional[OffloadParam]:
+    """Absent, null or ``device: "none"``: None. ``device: "cpu"``: the ZeRO-3 parameter shards
+    live in host memory (deepcompile/offload/). ``"nvme"``: refused until implemented."""
+    if value is None or isinstance(value, OffloadParam):  # already checked (dataclasses.replace re-checks)
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{key} must be an object or null, got {_show(value)}")
-    _check_keys(value, _OFFLOAD_KEYS[key.rsplit(".", 1)[-1]], key)
+    _check_keys(value, _OFFLOAD_KEYS["offload_param"], key)
     device = value.get("device", "none")
-    if device is not None and device != "none":
-        raise ConfigError([(f"{key}.device", (
-            f"{key}.device is {device!r}: offload is not supported yet; only \"none\" is accepted"))])
-    return None
+    if device is None or device == "none":
+        return None
+    if device == "nvme":
+        raise ConfigError([(f"{key}.device", f"{key}.device is 'nvme': NVMe parameter offload is not implemented; "
+                                              "use \"cpu\" (host memory) or \"none\"")])
+    if device != "cpu":
+        raise ConfigError([(f"{key}.device", f"{key}.device must be \"none\", \"cpu\" or \"nvme\", got {_show(device)}")])
+    for name, check in _PARAM_NVME_ONLY.items():
+        if name in value:
+            check(value[name], f"{key}.{name}")
+    return OffloadParam(device="cpu", pin_memory=_bool(value.get("pin_memory", False), f"{key}.pin_memory"))
+
+
+_PARAM_OFFLOAD_STAGE = ("parameter offload applies to ZeRO-3's partitioned parameters; under ZeRO-{stage} every "
+                        "rank holds whole parameters. Use stage 3, or offload_optimizer / compile.offload_opt_states "
+                        "for the optimizer state and master partitions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +345,8 @@ _NVME_ONLY = {"nvme_path": lambda v, k: _optional(_string)(v, k), "buffer_count"
 def _offload_optimizer(value: Any, key: str) -> Optional[OffloadOptimizer]:
     """Absent, null or ``device: "none"``: None. ``device: "cpu"``: optimizer-state offload to
     host memory. ``"nvme"``: refused until implemented."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, OffloadOptimizer):  # already checked (dataclasses.replace re-checks)
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{key} must be an object or null, got {_show(value)}")
     _check_keys(value, _OFFLOAD_KEYS["offload_optimizer"], key)
@@ -542,13 +568,22 @@ class ZeroConfig(_Section):
         "optimizer step updates at most this many master elements at a time, dropping each sub-group's gradients "
         "after it (lower step peak), and optimizer-state offload streams the step per sub-group. Null: DeepSpeed's "
         "default, 1e9 elements.")
-    offload_param: None = _key(_no_offload, None, "Only absent, null or {\"device\": \"none\"}.")
+    offload_param: Optional[OffloadParam] = _key(
+        _offload_param, None, "ZeRO-3 parameter offload: {\"device\": \"cpu\", \"pin_memory\": bool (default false)} "
+        "keeps every rank's parameter shards (the fp32 masters) in host memory between steps; gathers read them from "
+        "there. \"none\"/null: off; \"nvme\": refused; stages 1 and 2: refused.")
     offload_optimizer: Optional[OffloadOptimizer] = _key(
         _offload_optimizer, None, "Optimizer-state offload to host memory: {\"device\": \"cpu\", \"pin_memory\": "
         "bool, \"ratio\": least fraction offloaded (default 1.0)}; \"none\"/null: off; \"nvme\": refused. All stages.")
     cpu_offload: bool = _key(_off_only("ZeRO-Offload (the deprecated cpu_offload switch)"), False,
                              "Deprecated DeepSpeed switch for offload_optimizer to the CPU: only false.")
     memory_efficient_linear: bool = _key(_only(False, _MEL), False, "Only false: " + _MEL + ".")
+
+    def _check_together(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
+        if valid("stage") and valid("offload_param") and self.offload_param is not None and self.stage != 3:
+            key = self._dotted("offload_param")
+            return [(key, f"{key}: " + _PARAM_OFFLOAD_STAGE.format(stage=self.stage))]
+        return []
 
 
 # ---- deepcompile
@@ -566,7 +601,9 @@ class CompileConfig(_Section):
     offload_activation_pin_memory: bool = _key(_bool, True, INFO + " (Belongs to offload_activation.)")
     offload_opt_states: bool = _key(_bool, False, "Keep the optimizer state (and ZeRO-1/2 fp32 master partitions) in "
                                     "pinned host memory as far as the memory budget requires; reloaded for the step.")
-    offload_parameters: bool = _key(_off_only("parameter offload"), False, "Only false is accepted.")
+    offload_parameters: bool = _key(_bool, False, "ZeRO-3 only: keep the parameter shards (the fp32 masters) in "
+                                    "pinned host memory between steps; gathers read them from there. Stages 1 and 2: "
+                                    "refused.")
     symmetric_memory: bool = _key(_off_only("symmetric memory"), False, "Only false is accepted.")
     double_buffer: bool = _key(_bool, True, "Double-buffered gradient reduce buckets.")
     debug_log: bool = _key(_bool, False, "Rank-0 graph and timing logs.")
@@ -942,6 +979,14 @@ class Config(_Section):
     wandb: WandbConfig = _key(_section(WandbConfig), factory=WandbConfig, doc="Only disabled.")
     hybrid_engine: HybridEngineConfig = _key(_section(HybridEngineConfig), factory=HybridEngineConfig,
                                              doc="Only disabled.")
+
+    def _check_together(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
+        # A section that failed its own checks is left as given (not a section object): skip.
+        if (isinstance(self.compile, CompileConfig) and isinstance(self.zero_optimization, ZeroConfig)
+                and self.compile.offload_parameters and self.zero_optimization.stage != 3):
+            return [("compile.offload_parameters", "compile.offload_parameters: "
+                     + _PARAM_OFFLOAD_STAGE.format(stage=self.zero_optimization.stage))]
+        return []
 
     def to_dict(self) -> Dict[str, Any]:
         out = super().to_dict()

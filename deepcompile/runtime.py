@@ -262,6 +262,27 @@ def set_persistent(ds_id: int, persistent: bool = True) -> None:
     _C.set_persistent(int(ds_id), bool(persistent))
 
 
+def set_host_shard(ds_id: int, host: Optional[torch.Tensor]) -> None:
+    """Parameter offload: ``host`` (a CPU tensor of the ZeRO-3 shard's dtype and numel, pinned on
+    a GPU) holds the parameter's value from now on, and every gather reads it (on a GPU: copied
+    to the device on the all-gather lane, after the offload lane's pending copies), whatever the
+    device shard holds, which may then be freed. ``None``: gathers read the device shard again."""
+    _C.set_host_shard(int(ds_id), host)
+
+
+def host_shard(ds_id: int) -> Optional[torch.Tensor]:
+    """The host shard set for ``ds_id`` (ZeRO-3), or None."""
+    return _C.host_shard(int(ds_id))
+
+
+def lane_stream(lane: str):
+    """The stream of the runtime's lane ``lane`` ("allgather", "reduce-scatter", "copy",
+    "offload", "reload") as a torch stream object (``torch.cuda.Stream`` on a GPU runtime)."""
+    from deepcompile import compat
+
+    return compat.stream_from_ids(*_C.lane_stream(str(lane)))
+
+
 def start_backward(update: bool) -> None:
     """Announce a backward; ``update`` is True on the last micro-step of an accumulation window."""
     _C.start_backward(bool(update))

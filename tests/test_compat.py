@@ -517,3 +517,14 @@ def test_inductor_compiler_for_later_and_compiled_output_strides(monkeypatch):
     assert strides == compat.compiled_output_strides(kept["first"])
     assert compat.compiled_output_strides(lambda args: args) is None  # not Inductor's code
     torch._dynamo.reset()
+
+
+def test_stream_from_ids_round_trips_a_stream():
+    if torch.cuda.is_available():
+        current = torch.cuda.current_stream()
+        wrapped = compat.stream_from_ids(current.stream_id, current.device_index, current.device_type)
+        assert isinstance(wrapped, torch.cuda.Stream)
+        assert wrapped == current and wrapped.cuda_stream == current.cuda_stream
+    wrapped = compat.stream_from_ids(0, -1, 0)  # the CPU's default stream
+    assert isinstance(wrapped, torch.Stream)
+    assert (wrapped.stream_id, wrapped.device_index, wrapped.device) == (0, -1, torch.device("cpu"))

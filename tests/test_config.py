@@ -330,10 +330,18 @@ def test_fp16_enabled_is_rejected():
     assert Config.from_any(make(fp16={"enabled": False})).fp16.enabled is False
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_zero_param_offload_is_rejected(device):
-    msg = err({"zero_optimization": {"stage": 3, "offload_param": {"device": device}}})
-    assert "zero_optimization.offload_param.device" in msg and "offload is not supported yet" in msg
+def test_zero_param_offload_to_cpu_is_accepted_under_zero3_only():
+    from deepcompile.config import OffloadParam
+
+    z = Config.from_any({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "cpu", "pin_memory": True, "buffer_count": 5, "max_in_cpu": 10}}}).zero_optimization
+    assert z.offload_param == OffloadParam(device="cpu", pin_memory=True)
+    z = Config.from_any({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).zero_optimization
+    assert z.offload_param == OffloadParam(device="cpu", pin_memory=False)  # DeepSpeed's default
+    msg = err({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert "zero_optimization.offload_param.device" in msg and "NVMe parameter offload is not implemented" in msg
+    msg = err({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert "parameter offload applies to ZeRO-3's partitioned parameters" in msg
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -377,7 +385,15 @@ def test_offload_opt_states_is_a_switch():
     assert "true or false" in err(make(compile={"offload_opt_states": 1}))
 
 
-@pytest.mark.parametrize("key", ["offload_activation", "offload_parameters", "symmetric_memory"])
+def test_offload_parameters_is_a_zero3_switch():
+    assert Config.from_any(make(compile={"offload_parameters": True})).compile.offload_parameters is True
+    assert "true or false" in err(make(compile={"offload_parameters": 1}))
+    cfg = make(compile={"offload_parameters": True})
+    cfg["zero_optimization"] = {"stage": 1}
+    assert "compile.offload_parameters: parameter offload applies to ZeRO-3's" in err(cfg)
+
+
+@pytest.mark.parametrize("key", ["offload_activation", "symmetric_memory"])
 def test_unsupported_compile_features(key):
     msg = err(make(compile={key: True}))
     assert f"compile.{key}" in msg and "not supported yet" in msg
@@ -461,7 +477,7 @@ def keys_of(d, world=2, model=None):
 
 def test_all_problems_are_reported_at_once():
     d = {
-        "zero_optimization": {"stage": 3, "overlap_comm": False, "offload_param": {"device": "cpu"}, "stgae": 1},
+        "zero_optimization": {"stage": 3, "overlap_comm": False, "offload_param": {"device": "nvme"}, "stgae": 1},
         "fp16": {"enabled": True},
         "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
         "gradient_clipping": "auto",

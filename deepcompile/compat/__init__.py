@@ -11,7 +11,8 @@ one, so a torch upgrade that moves something fails there, in a test named after 
   which frames Dynamo compiles;
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
 * ``modules``: a module's own parameters and buffers; swapping a registered parameter for a gathered tensor;
-* ``tensors``: multi-tensor (foreach) kernels, storage identity.
+* ``tensors``: multi-tensor (foreach) kernels, storage identity;
+* ``streams``: wrapping a stream the C++ runtime created as a torch stream object.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from deepcompile.compat.inductor import (
     protect_runtime_buffers_in_inductor,
 )
 from deepcompile.compat.modules import direct_buffers, direct_parameters, swap_parameter
+from deepcompile.compat.streams import stream_from_ids
 from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -93,6 +95,7 @@ __all__ = [
     "set_traced_value",
     "shares_storage",
     "storage_id",
+    "stream_from_ids",
     "swap_parameter",
     "tree_leaves",
     "traced_value",

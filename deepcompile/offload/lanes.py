@@ -1,10 +1,11 @@
 """The two copy lanes of offloading: *reload* (host to device) and *offload* (device to host).
 
-On CUDA each lane is a dedicated ``torch.cuda.Stream``, ordered against the compute stream (the
-stream current when a copy is issued) with events. The C++ runtime reserves an offload and a
-reload lane in its stream manager (csrc/include/deepcompile/lanes.h), but no op exposes them to
-Python yet; when graph passes issue offload work (parameter and activation offload), that work
-belongs on those lanes and this class is where optimizer-state copies would move over.
+On CUDA each lane is a stream ordered against the compute stream (the stream current when a copy
+is issued) with events. They are the C++ runtime's own offload and reload lanes
+(csrc/include/deepcompile/lanes.h, through ``runtime.lane_stream``) whenever the runtime is
+initialized on the GPU: the runtime's gathers read offloaded parameter shards from host memory,
+and order themselves after the offload lane's write-backs into it. Without a runtime (or one for
+another device) the lanes are streams of their own.
 
 On a CPU device the lanes are the host itself: copies run synchronously on the caller, so there
 is nothing to order.
@@ -17,13 +18,30 @@ from typing import Optional
 import torch
 
 
+def _runtime_lanes(device: torch.device):
+    """(reload, offload) streams of the C++ runtime on ``device``, or None."""
+    from deepcompile import runtime
+
+    if not runtime.is_initialized():
+        return None
+    reload, offload = runtime.lane_stream("reload"), runtime.lane_stream("offload")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not isinstance(reload, torch.cuda.Stream) or reload.device != torch.device("cuda", index):
+        return None
+    return reload, offload
+
+
 class CopyLanes:
     def __init__(self, device: torch.device):
         self.device = device
         self.async_ = device.type == "cuda"
+        self.shares_runtime_lanes = False
         if self.async_:
-            self.reload_stream = torch.cuda.Stream(device)
-            self.offload_stream = torch.cuda.Stream(device)
+            lanes = _runtime_lanes(device)
+            self.shares_runtime_lanes = lanes is not None
+            if lanes is None:
+                lanes = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            self.reload_stream, self.offload_stream = lanes
 
     def offload(self, host: torch.Tensor, dev: torch.Tensor) -> Optional[torch.cuda.Event]:
         """Copy ``dev`` into ``host`` after the compute issued so far (the optimizer step that

@@ -3,8 +3,10 @@ the fp32 master partitions live in host memory between optimizer steps, as far a
 
 Units. What moves is a whole device *storage*: each state tensor the optimizer created for a
 master (one per parameter under ZeRO-3, one per param group under ZeRO-1/2) and each ZeRO-1/2
-master partition. They are found through the stage's ``Sharding`` interface (``shards()`` and
-``shard_optimizer_state()``), so this module knows no stage's layout. Offloading a unit copies its
+master partition; with parameter offload, each ZeRO-3 master shard too (always offloaded, and
+handed to the runtime as the gather source while on the host: ``_hand_gathers``). They are found
+through the stage's ``Sharding`` interface (``shards()`` and ``shard_optimizer_state()``), so this
+module knows no stage's layout. Offloading a unit copies its
 bytes to a host buffer and frees the device storage (``resize_(0)``); the tensor objects the
 optimizer holds stay the same, so the optimizer never notices. Reloading re-allocates the storage
 in place and copies the bytes back: the values are bitwise those written.
@@ -82,6 +84,9 @@ class OptimizerStateOffload:
         self.group = group
         self.param_names = param_names
         self.lanes = CopyLanes(device)
+        if settings.offload_masters and self.lanes.async_ and not self.lanes.shares_runtime_lanes:
+            raise RuntimeError("parameter offload needs the deepcompile runtime initialized on " + str(device)
+                               + ": its gathers order their reads of host shards after the runtime's offload lane")
         self.units: Dict[int, OffloadUnit] = {}
         self.plan: Optional[OffloadPlan] = None
         self.planned_at_step: Optional[int] = None
@@ -203,6 +208,7 @@ class OptimizerStateOffload:
             for unit in self._units_of.get(ds_id, ()):
                 self.lanes.wait(unit.reloading)
                 unit.reloading = None
+                self._hand_gathers(unit, to_host=False)
 
     def after_sub_group(self, index: int, groups: List[List[int]]) -> None:
         """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
@@ -245,6 +251,7 @@ class OptimizerStateOffload:
         for unit in self.units.values():
             self.lanes.wait(unit.reloading)
             unit.reloading = None
+            self._hand_gathers(unit, to_host=False)
 
     # ---- planning -----------------------------------------------------------------------------
 
@@ -273,18 +280,24 @@ class OptimizerStateOffload:
             self.peak_without, self.step_floor = peak_without, step_floor
             check_budget(self.settings.budget_bytes, self.settings.budget_name, peak_without, step_floor)
         budget = self.settings.budget_bytes
-        # Resident units occupy the device through the forward/backward and the step alike.
+        # Resident units occupy the device through the forward/backward and, when the step streams,
+        # through the step as well.
         keep_limit = None if budget is None else budget - (max(peak_without, step_floor) if self.streams
                                                              else peak_without)
-        self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction)
+        if keep_limit is None and not self.settings.offload_state:
+            keep_limit = sum(u.nbytes for u in ordered)  # parameter offload alone: only the masters go
+        # Parameter offload: every master shard lives on the host between steps.
+        forced = [self.settings.offload_masters and u.what == MASTER for u in ordered]
+        self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction, forced)
         self.planned_at_step = self.steps
         self._peak_at_plan = device_memory.peak_allocated(self.device)
         headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
         failure = None
-        for unit, out in zip(ordered, self.plan.offloaded):
+        for unit, out, master in zip(ordered, self.plan.offloaded, forced):
             unit.planned_out = out
             unit.early = False
-            if out and headroom >= unit.nbytes:
+            # (An offloaded master is read by the backward's gathers from the host anyway.)
+            if out and headroom >= unit.nbytes and not master:
                 unit.early = True  # fits beside the backward's peak: reload from its start
                 headroom -= unit.nbytes
             if out and failure is None and not self._ensure_host(unit):
@@ -334,8 +347,28 @@ class OptimizerStateOffload:
         if unit.on_host:
             return
         unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+        self._hand_gathers(unit, to_host=True)
         unit.device_bytes.untyped_storage().resize_(0)
         unit.on_host = True
+
+    def _hand_gathers(self, unit: OffloadUnit, to_host: bool) -> None:
+        """Parameter offload: a master unit (under ZeRO-3 one parameter's shard storage) is what
+        the runtime gathers from; point its gathers at the host copy while it is there, back at
+        the device shard once the reload is waited for (the runtime orders host reads after the
+        offload lane's copies)."""
+        if not (self.settings.offload_masters and unit.what == MASTER):
+            return
+        from deepcompile import runtime
+
+        if not to_host and not runtime.is_initialized():
+            return  # the runtime is gone (engine teardown): no gather to point back
+        for ds_id in unit.ds_ids:
+            host = None
+            if to_host:
+                shard = runtime.registered_shard(ds_id)
+                start = shard.storage_offset()
+                host = unit.host.view(shard.dtype)[start: start + shard.numel()]
+            runtime.set_host_shard(ds_id, host)
 
     def _reload(self, unit: OffloadUnit) -> None:
         if not unit.on_host:

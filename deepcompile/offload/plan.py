@@ -40,12 +40,15 @@ class OffloadPlan:
     required_bytes: int  # the least the plan had to offload (budget and ratio)
 
 
-def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: float) -> OffloadPlan:
+def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: float,
+                 forced: Optional[Sequence[bool]] = None) -> OffloadPlan:
     """Choose the tensors to offload among ``sizes`` (bytes each).
 
     ``keep_limit``: the most bytes that may stay resident (None: no budget, offload everything).
     ``min_fraction``: the least fraction of the total bytes to offload whatever the budget
     (``offload_optimizer.ratio``; 0 for ``compile.offload_opt_states`` alone).
+    ``forced``: tensors offloaded whatever the budget (parameter offload's master shards); their
+    bytes count towards what the budget requires.
     """
     total = sum(sizes)
     if keep_limit is None:
@@ -53,8 +56,8 @@ def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: 
     else:
         required = max(total - max(keep_limit, 0), math.ceil(min_fraction * total))
     required = min(required, total)
-    offloaded = [False] * len(sizes)
-    moved = 0
+    offloaded = [bool(f) for f in forced] if forced is not None else [False] * len(sizes)
+    moved = sum(size for size, out in zip(sizes, offloaded) if out)
     # Stable orders: among equal sizes the given order (the reload order) decides.
     largest_first = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     while moved < required:

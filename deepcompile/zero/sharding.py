@@ -60,7 +60,8 @@ class Sharding(abc.ABC):
     # Whether the fp32 master weights are read only by the optimizer step (ZeRO-1/2: a separate
     # partition), so optimizer-state offload may keep them on the host between steps. ZeRO-3's
     # masters are the all-gather source the forward and backward read: moving them is parameter
-    # offload, not optimizer-state offload.
+    # offload (ZeRO-3 sets this when parameter offload is on; the runtime then gathers them from
+    # their host copies).
     masters_offloadable: bool = False
     # Set by optimizer-state offload (deepcompile/offload/): called before sharded state is handed
     # out (``shards``, ``shard_optimizer_state``, ``sync_params_from_shards``) so that it is on the

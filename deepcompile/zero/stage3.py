@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import compat, runtime
+from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
@@ -50,6 +51,9 @@ class Zero3Sharding(Sharding):
             gather_dtypes=[sp.gather_dtype for sp in self.params],
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
+        # Parameter offload: the master shards (the gather sources) may live on the host between
+        # steps, where the runtime gathers them from (deepcompile/offload/).
+        self.masters_offloadable = bool(parameter_offload_keys(config))
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
 
@@ -114,6 +118,7 @@ class Zero3Sharding(Sharding):
         return start, min(start + sp.ppr, sp.numel)
 
     def shards(self) -> Iterator[ParamShard]:
+        self._state_on_device()  # parameter offload: the master shards may be on the host
         for sp in self.params:
             start, end = self._range(sp)
             # `shard` is the storage of the master weights (and the gather source); a plain
@@ -140,6 +145,7 @@ class Zero3Sharding(Sharding):
                 opt.state[sp.master] = fresh_optimizer_state(keys, sp.master, group_of[id(sp.master)])
 
     def sync_params_from_shards(self) -> None:
+        self._state_on_device()
         runtime.invalidate_all_gathered()
         self.unset_params = still_unset(self, self.unset_params, self.group, self.device)
 

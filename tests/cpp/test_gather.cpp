@@ -54,3 +54,101 @@ TEST(Gather, PrivateCopyLeavesTheRegisteredBufferAlone) {
   // Every dtype sees the parameter's value: the shard rounded to its gather dtype.
   EXPECT_TRUE(at::equal(copy, z3.shard.to(at::kBFloat16).to(at::kFloat).narrow(0, 0, 1).repeat({4})));
 }
+
+// ---- Parameter offload: the host shard as the gather source.
+
+namespace {
+
+// Host lanes that call themselves a GPU's (so the gather path takes its device branch) and log
+// which lanes completions were recorded on; their streams stay the CPU's, so nothing needs CUDA.
+class LoggingDeviceLanes final : public Lanes {
+ public:
+  c10::Device device() const override { return c10::Device(c10::kCUDA, 0); }
+  c10::Stream stream(Lane) const override { return c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)); }
+  c10::Stream computeStream() const override { return stream(Lane::AllGather); }
+  void waitCompute(Lane) override {}
+  CompletionPtr record(Lane lane) override {
+    recorded.push_back(lane);
+    return readyCompletion();
+  }
+  void synchronize(Lane) override {}
+  void synchronizeDevice() override {}
+  void recordStream(const at::Tensor&, const c10::Stream&) override {}
+  std::vector<Lane> recorded;
+};
+
+}  // namespace
+
+TEST(GatherHostShard, AHostShardIsReadInsteadOfTheFreedDeviceShard) {
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(0, 2);
+  DSParam p = z3Param(4, 3, 2, 1.0f, at::kBFloat16);
+  Z3Layout& z3 = p.z3();
+  z3.host_shard = at::full({2}, 2.5f);
+  z3.shard.storage().unsafeGetStorageImpl()->reset();  // offloaded: no bytes behind it
+  ASSERT_FALSE(shardHasStorage(z3.shard));
+  launchGathers(*lanes, comm, {&z3}, {at::kBFloat16});
+  EXPECT_TRUE(at::equal(p.gatheredView(), at::full({3}, 2.5f, at::kBFloat16)));
+  // A private copy in another dtype reads it too, rounded through the gather dtype.
+  at::Tensor copy = gatherPrivateCopy(*lanes, comm, z3, at::kFloat);
+  EXPECT_TRUE(at::equal(copy, at::full({4}, 2.5f)));
+}
+
+TEST(GatherHostShard, WhileSetItWinsOverADeviceShardThatIsBeingReloaded) {
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(0, 1);
+  DSParam p = z3Param(5, 2, 1, 1.0f);
+  Z3Layout& z3 = p.z3();
+  z3.host_shard = at::full({2}, 3.0f);  // the value; the device shard holds stale bytes
+  launchGathers(*lanes, comm, {&z3}, {at::kFloat});
+  EXPECT_TRUE(at::equal(p.gatheredView(), at::full({2}, 3.0f)));
+  freeGathered(*lanes, z3);
+  z3.host_shard = at::Tensor();  // reloaded: the device shard is the value again
+  launchGathers(*lanes, comm, {&z3}, {at::kFloat});
+  EXPECT_TRUE(at::equal(p.gatheredView(), at::full({2}, 1.0f)));
+}
+
+TEST(GatherHostShard, AnEmptyShardWithoutHostShardRaisesBeforeAnyCollective) {
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(0, 2);
+  DSParam ok = z3Param(1, 4, 2, 1.0f), offloaded = z3Param(7, 4, 2, 1.0f);
+  offloaded.z3().shard.storage().unsafeGetStorageImpl()->reset();
+  const std::string message = errorOf([&] { launchGathers(*lanes, comm, {&ok.z3(), &offloaded.z3()}, {at::kFloat, at::kFloat}); });
+  EXPECT_NE(message.find("ds id 7"), std::string::npos) << message;
+  EXPECT_NE(message.find("no host shard"), std::string::npos) << message;
+  EXPECT_EQ(comm.groups, 0);  // no group opened: no rank is left inside a collective
+  EXPECT_FALSE(ok.z3().valid || offloaded.z3().valid);
+  EXPECT_NE(errorOf([&] { gatherPrivateCopy(*lanes, comm, offloaded.z3(), at::kFloat); }).find("ds id 7"),
+            std::string::npos);
+}
+
+TEST(GatherHostShard, OnADeviceTheGatherWaitsForTheOffloadLaneAndStagesACopy) {
+  LoggingDeviceLanes lanes;
+  MirrorCommunicator comm(0, 2);
+  DSParam resident = z3Param(1, 2, 2, 1.0f), offloaded = z3Param(2, 2, 2, 1.0f);
+  offloaded.z3().host_shard = at::full({1}, 4.0f);
+  launchGathers(lanes, comm, {&resident.z3()}, {at::kFloat});
+  EXPECT_TRUE(lanes.recorded.empty());  // nothing to wait for without a host shard
+  launchGathers(lanes, comm, {&resident.z3(), &offloaded.z3()}, {at::kFloat, at::kFloat});
+  ASSERT_EQ(lanes.recorded.size(), 1u);  // once per group, not per parameter
+  EXPECT_EQ(lanes.recorded[0], Lane::Offload);
+  EXPECT_TRUE(at::equal(offloaded.gatheredView(), at::full({2}, 4.0f)));
+  // The staging copy is a buffer of its own on the device side, not the host tensor itself.
+  at::Tensor source;
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    source = gatherSource(lanes, offloaded.z3());
+  }
+  EXPECT_NE(source.data_ptr(), offloaded.z3().host_shard.data_ptr());
+  EXPECT_TRUE(at::equal(source, offloaded.z3().host_shard));
+}
+
+TEST(GatherHostShard, ShardStorageCheckCoversOffsetsAndEmptyParameters) {
+  at::Tensor base = at::zeros({6});
+  EXPECT_TRUE(shardHasStorage(base.narrow(0, 3, 3)));
+  EXPECT_TRUE(shardHasStorage(at::zeros({0})));  // a 0-element parameter's shard has no bytes to need
+  at::Tensor view = base.narrow(0, 3, 3);
+  base.storage().unsafeGetStorageImpl()->set_nbytes(4 * 4);  // shorter than the view needs
+  EXPECT_FALSE(shardHasStorage(view));
+  EXPECT_FALSE(shardHasStorage(at::Tensor()));
+}

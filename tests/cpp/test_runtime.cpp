@@ -147,3 +147,32 @@ TEST_F(RuntimeTest, Zero3ControlCallsRejectZero12Params) {
   // ZeRO-1/2 state stays with its layout: the replicated parameter and where it sits.
   EXPECT_EQ(rt->registry().get(2).z12().partition_numel, 2);
 }
+
+TEST_F(RuntimeTest, HostShardsAreCheckedAndCleared) {
+  make(0, 2);
+  rt->registerZ3Params({{3, {4}, at::ones({2}), at::Tensor(), false, std::nullopt}});
+  const Z3Layout& z3 = rt->registry().get(3).z3();
+  EXPECT_NE(errorOf([&] { rt->setHostShard(3, at::ones({3})); }).find("ds id 3"), std::string::npos);
+  EXPECT_NE(errorOf([&] { rt->setHostShard(3, at::ones({2}, at::kDouble)); }).find("Float with 2 elements"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { rt->setHostShard(3, at::ones({4}).as_strided({2}, {2})); })
+                .find("contiguous"),
+            std::string::npos);
+  EXPECT_FALSE(z3.host_shard.defined());
+  at::Tensor host = at::full({2}, 5.0f);
+  rt->setHostShard(3, host);
+  EXPECT_EQ(z3.host_shard.data_ptr(), host.data_ptr());
+  rt->setHostShard(3, std::nullopt);
+  EXPECT_FALSE(z3.host_shard.defined());
+  // Re-registration starts from a fresh layout: no host shard carried over.
+  rt->setHostShard(3, host);
+  rt->registerZ3Params({{3, {4}, at::ones({2}), at::Tensor(), false, std::nullopt}});
+  EXPECT_FALSE(rt->registry().get(3).z3().host_shard.defined());
+  EXPECT_EQ(rt->registry().get(3).z3().ds_id, 3);
+}
+
+TEST_F(RuntimeTest, SetHostShardRejectsZero12Params) {
+  make(0, 1);
+  rt->registerZ12Param(8, {2}, at::ones({2}), 0, 2);
+  EXPECT_NE(errorOf([&] { rt->setHostShard(8, at::ones({2})); }).find("not ZeRO-3"), std::string::npos);
+}

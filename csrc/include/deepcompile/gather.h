@@ -23,5 +23,15 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*
 at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& param, at::ScalarType dtype);
 // Frees a parameter's gathered storage itself (every view of it then has 0 bytes).
 void freeGathered(Lanes& lanes, Z3Layout& param);
+// Before gathering `params`: raises (naming the ds id) for a shard whose device storage was freed
+// and that has no host shard, and orders the all-gather lane after the offload lane's pending
+// write-backs when a host shard is to be read. Called before any collective group opens.
+void prepareGatherSources(Lanes& lanes, const std::vector<const Z3Layout*>& params);
+// What a gather of `param` sends from, read on the all-gather lane (which must be the current
+// stream): its host shard when one is set (parameter offload; on a GPU copied to a device staging
+// buffer on the lane first, so the reload is the first link of the gather), else its device shard.
+at::Tensor gatherSource(Lanes& lanes, const Z3Layout& param);
+// Whether `shard` has storage behind all its elements (an offloaded shard has none).
+bool shardHasStorage(const at::Tensor& shard);
 
 }  // namespace deepcompile

@@ -1,9 +1,10 @@
 // The lanes: where the runtime puts asynchronous work and how it orders that work against the
 // compute stream (the stream current when an op is called).
 //
-// Lane::Offload and Lane::Reload have no user yet: nothing is issued on them today. They are
-// reserved for the offload work still to come (moving tensors to host memory and back), so that
-// it does not change the lane layout.
+// Lane::Offload and Lane::Reload carry offload copies (moving tensors to host memory and back).
+// Python issues them (deepcompile/offload/lanes.py wraps these streams through lane_stream); the
+// runtime orders its own reads of offloaded data after them: a gather that reads a host shard
+// first waits for the offload lane (gather.cpp).
 #pragma once
 
 #include <deepcompile/common.h>

@@ -51,6 +51,14 @@ struct Z3Layout {
   // The parameter's value is `shard` rounded to this dtype; other dtypes are casts of that value.
   at::ScalarType gather_dtype = at::ScalarType::Undefined;
   bool persistent = false;  // never freed by release_param
+  // The parameter's id (set by DSParam's constructor), for error messages of the gather path.
+  DsId ds_id = -1;
+  // Parameter offload: a host copy of `shard` (a CPU tensor of the same dtype and shape, pinned
+  // on a GPU runtime). While it is set it holds the parameter's value and every gather reads it,
+  // copying it to the device on the all-gather lane first, whatever `shard` holds: the device
+  // storage may be freed or still being reloaded. Unset: gathers read `shard`, which must then
+  // have its storage (an empty one raises instead of reading freed memory).
+  at::Tensor host_shard;
 
   // Gather state: the flat padded buffer, whether it holds (or will hold, once `gather_done`
   // completes) the current parameter, and the gather's completion.

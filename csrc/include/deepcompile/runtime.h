@@ -71,6 +71,10 @@ class Runtime {
   void bindGradTarget(DsId id, at::Tensor target, bool zero);
   void unbindGradTargets(const std::optional<std::vector<DsId>>& ids);
   void setPersistent(DsId id, bool persistent);
+  // Parameter offload: `host` (a CPU tensor of the shard's dtype and numel) holds the ZeRO-3
+  // parameter's value from now on and gathers read it (Z3Layout::host_shard); nullopt (or an
+  // undefined tensor): gathers read the device shard again.
+  void setHostShard(DsId id, const std::optional<at::Tensor>& host);
   // Profiling helpers: forget a gathered buffer without freeing its storage (ZeRO-3 only;
   // clearAllGathered skips ZeRO-1/2 parameters, invalidateGathered rejects them).
   void invalidateGathered(DsId id);
