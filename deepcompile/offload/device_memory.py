@@ -23,3 +23,13 @@ def allocated(device: torch.device) -> int:
 def total(device: torch.device) -> int:
     """The device's memory (CUDA only)."""
     return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fits(device: torch.device, nbytes: int) -> bool:
+    """Whether ``nbytes`` more can be allocated now: free device memory plus what the caching
+    allocator holds unused (always on a CPU device)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return nbytes <= free + cached

@@ -38,6 +38,7 @@ once.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -223,7 +224,9 @@ class OptimizerStateOffload:
                 unit.planned_out = True  # provisional: the plan at after_step decides
         for ds_id in ids:
             for unit in self._units_of.get(ds_id, ()):
-                if unit.planned_out:
+                # Master shards (parameter offload) go at after_step: until then the stage hands
+                # them out as views (``shards()``), which an emptied storage cannot give.
+                if unit.planned_out and unit.what != MASTER:
                     self._offload(unit)
 
     def after_step(self) -> None:
@@ -422,8 +425,17 @@ class OptimizerStateOffload:
         }
 
     def close(self) -> None:
-        """Bring the state back (the optimizer object may outlive the engine) and let go."""
-        self.materialize()
+        """Bring the state back (the optimizer object may outlive the engine) and let go. State
+        that cannot fit on the device any more (the reason it was offloaded: a 7B model's Adam
+        state on one GPU) is not brought back; a warning says so, as it is lost with the engine."""
+        away = sum(u.nbytes for u in self.units.values() if u.on_host)
+        if away and not device_memory.fits(self.device, away):
+            warnings.warn(f"optimizer-state offload: {away} bytes of optimizer state stay in host buffers that are "
+                          "released with the engine (they no longer fit on the device); the optimizer object keeps "
+                          "empty tensors for them. Save a checkpoint before destroy() to keep that state.",
+                          stacklevel=3)
+        else:
+            self.materialize()
         self.lanes.synchronize()
         if self.sharding.before_state_access == self.materialize:
             self.sharding.before_state_access = None
