@@ -374,3 +374,45 @@ def test_isolated_row_past_its_timeout_is_a_timeout_row(tmp_path):
 
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["method"], row["status"], row["note"]) == ("deepcompile ZeRO-3", "timeout", "no result within 1 s")
+
+
+def test_largest_model_search_order():
+    import largest_model
+
+    nxt = largest_model.next_try
+    assert nxt([32, 40, 48], {}, "linear") == 32
+    assert nxt([32, 40, 48], {32: True}, "linear") == 40
+    assert nxt([32, 40, 48], {32: True, 40: False}, "linear") is None  # 32 trains, 40 fails: known
+    assert nxt([32, 40, 48], {32: False}, "linear") is None  # nothing tried trains
+    assert nxt([32, 40, 48], {32: True, 40: True, 48: True}, "linear") is None
+    layers = [16, 24, 32, 40, 48, 56, 64]
+    assert nxt(layers, {}, "binary") == 40
+    assert nxt(layers, {40: True}, "binary") == 56
+    assert nxt(layers, {40: True, 56: False}, "binary") == 48
+    assert nxt(layers, {40: True, 56: False, 48: True}, "binary") is None
+    assert nxt(layers, {40: False}, "binary") == 24
+
+
+def test_largest_model_reports_what_trains_and_why_the_rest_fails_on_cpu(tmp_path):
+    """bench/largest_model.py end to end on CPU with a tiny 7B-shaped stand-in (2 layers of width
+    64): deepcompile ZeRO-3 trains at the largest count tried (binary search: one try), FSDP2's CPU
+    offload fails at both counts (tried from the middle down), and the reason (CUDA only) is in
+    the report."""
+    import json
+    import subprocess
+
+    out, md = tmp_path / "largest.json", tmp_path / "largest.md"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "largest_model.py"), "--systems", "z3,fsdp2-offload",
+         "--layers", "1,2", "--search", "binary", "--timeout", "300", "--json", str(out), "--markdown", str(md),
+         "--", "--hidden", "64", "--heads", "4", "--intermediate", "172", "--vocab", "256", "--seq", "64"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    z3, fsdp2 = json.loads(out.read_text())["systems"]
+    assert z3["tried"] == [2] and z3["largest"]["layers"] == 2 and z3["first_failure"] is None
+    assert z3["largest"]["status"] == "ok" and z3["largest"]["params"] > 0
+    assert fsdp2["largest"] is None and fsdp2["tried"] == [2, 1]  # bisects down to the smallest count
+    assert fsdp2["first_failure"]["layers"] == 1
+    assert (fsdp2["first_failure"]["status"], fsdp2["first_failure"]["note"]) == \
+        ("n/a", "CPUOffloadPolicy needs a CUDA device")
+    assert "| FSDP2 + CPU offload + compile | none tried trains |" in md.read_text()
