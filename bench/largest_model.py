@@ -3,7 +3,7 @@ until training fails, and say why it failed.
 
     python3 bench/largest_model.py [--systems z3-offload-budget,fsdp2-offload,fsdp2,z3]
                                    [--layers 32,40,48,56,64] [--search linear|binary]
-                                   [--timeout 300] [--budget-s 540] [--json PATH] [--markdown PATH]
+                                   [--timeout 300] [--deadline-s 540] [--json PATH] [--markdown PATH]
                                    [-- more train_bench.py options]
 
 Each try is one ``train_bench.py --preset 7b --layers L --methods SYSTEM`` row in a process of its
@@ -19,9 +19,9 @@ otherwise the row's status says why:
 
 ``--search linear`` (default) tries the ``--layers`` counts in increasing order and stops at the
 first failure; ``binary`` assumes that what fails at L fails above L too and bisects the list
-(fewer tries for a long list). ``--budget-s`` stops starting new tries once that much wall time
-has passed (what was not tried is reported as such), so a run fits one call of a time-limited
-machine; the JSON (``--json``) is rewritten after every try, so a run cut short keeps what it found.
+(fewer tries for a long list). ``--deadline-s`` ends the whole run within that many seconds
+(each try's limit is cut to what is left; what was not tried, or was cut short, is reported as not
+tried), so a run fits one call of a time-limited machine; the JSON (``--json``) is rewritten after every try, so a run cut short keeps what it found.
 
 Systems are train_bench.py's ``--methods`` keys: ``z3-offload-budget`` (deepcompile ZeRO-3,
 optimizer state offloaded as the budget requires), ``z3-offload``, ``z3-offload-all``,
@@ -55,7 +55,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", default="32,40,48,56,64", help="comma list of layer counts to try")
     p.add_argument("--search", choices=["linear", "binary"], default="linear")
     p.add_argument("--timeout", type=float, default=300, help="seconds per try")
-    p.add_argument("--budget-s", type=float, default=None, help="start no try after this many seconds in all")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="the whole run ends within this many seconds: each try's limit is cut to what is left, "
+                        "no try starts with less than --min-try-s left, and a try cut short by the deadline "
+                        "counts as not tried (not as failed)")
+    p.add_argument("--min-try-s", type=float, default=90)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--nproc", type=int, default=1, help="ranks per try")
@@ -130,8 +134,8 @@ def markdown(summaries: List[dict], header: Dict[str, str]) -> str:
             f"{fail['layers']} layers ({count(fail['params'])})" if fail else "none tried fails",
             (REASONS.get(fail["status"], fail["status"]) + (f": {fail['note'][:160]}" if fail["note"] else "")
              ).replace("|", "\\|") if fail else "",
-            ", ".join(map(str, s["tried"])) + (f"; not tried (time budget): {', '.join(map(str, s['untried']))}"
-                                               if s.get("stopped_by_budget") and s["untried"] else ""),
+            ", ".join(map(str, s["tried"])) + (f"; not tried (deadline): {', '.join(map(str, s['untried']))}"
+                                               if s.get("stopped_by_deadline") and s["untried"] else ""),
         ]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -139,6 +143,7 @@ def markdown(summaries: List[dict], header: Dict[str, str]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
+    row_process.stop_children_on_termination()
     header: Dict[str, str] = {"date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                               "device": "unknown"}
     summaries: List[dict] = []
@@ -154,12 +159,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         summaries.append(summarise(system, args.layers, tries))
         stopped = False
         while (layers := next_try(args.layers, results, args.search)) is not None:
-            if args.budget_s is not None and time.monotonic() - start > args.budget_s:
-                stopped = True
-                break
+            limit = args.timeout
+            if args.deadline_s is not None:
+                limit = min(limit, args.deadline_s - (time.monotonic() - start))
+                if limit < args.min_try_s:
+                    stopped = True
+                    break
             print(f"== {tb.METHODS[system].name}, {layers} layers", flush=True)
             t0 = time.monotonic()
-            row, env = row_process.run_row(try_command(args, system, layers), system, args.nproc, args.timeout)
+            row, env = row_process.run_row(try_command(args, system, layers), system, args.nproc, limit)
+            if row.status == "timeout" and limit < args.timeout:  # cut by the deadline: unknown, not failed
+                print(f"  -> not finished before the deadline ({limit:.0f} s)", flush=True)
+                stopped = True
+                break
             if env:
                 header.update({k: env[k] for k in ("device", "torch", "deepcompile commit", "source digest") if k in env})
             tries.append({"layers": layers, "params": params_of(layers, args.extra), "status": row.status,
@@ -170,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   + f" ({tries[-1]['seconds']:.0f} s)", flush=True)
             summaries[-1] = summarise(system, args.layers, tries)
             write()
-        summaries[-1] = dict(summarise(system, args.layers, tries), stopped_by_budget=stopped)
+        summaries[-1] = dict(summarise(system, args.layers, tries), stopped_by_deadline=stopped)
         write()
     header["command"] = "python3 " + " ".join(sys.argv)
     header["tries"] = (f"{args.warmup} warm-up + {args.steps} measured steps, {args.timeout:.0f} s limit each, "

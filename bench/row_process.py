@@ -35,6 +35,22 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 
 
+_running: List[subprocess.Popen] = []  # the child being waited for (stopped if this process is told to stop)
+
+
+def stop_children_on_termination() -> None:
+    """On SIGTERM (e.g. ``timeout`` around the whole run) stop the running child's process group
+    before exiting: it runs in a session of its own, so it would otherwise outlive this process and
+    keep the device and host memory the next command needs."""
+
+    def handler(signum, frame):
+        for proc in list(_running):
+            stop_group(proc, grace=10)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_streaming(cmd: Sequence[str], timeout: Optional[float], keep: int = 80,
                   env: Optional[Dict[str, str]] = None) -> Tuple[Optional[int], List[str]]:
     """Run ``cmd`` in a session of its own, echoing its output (stdout and stderr) as it comes;
@@ -51,18 +67,21 @@ def run_streaming(cmd: Sequence[str], timeout: Optional[float], keep: int = 80,
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    _running.append(proc)
     try:
         code: Optional[int] = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = None
         stop_group(proc)
+    finally:
+        _running.remove(proc)
     reader.join(timeout=30)
     return code, list(tail)
 
 
-def stop_group(proc: subprocess.Popen) -> None:
+def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
     """Stop the child's whole process group (torchrun and its workers): SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)  # the group this child leads (start_new_session)
         except ProcessLookupError:
@@ -135,20 +154,28 @@ def run_isolated(args, argv: List[str]) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("--isolate starts its own torchrun per row (--nproc ranks): run it with python3, "
                          "not under torchrun")
+    stop_children_on_termination()
     pcie = measure_pcie(args)
-    rows, env = [], None
+    rows, child_env = [], None
+
+    def header() -> Dict[str, str]:
+        env = dict(child_env or {"date (UTC)": "unknown", "device": "unknown (no row process reported)"})
+        env["command"] = "python3 " + shlex.join(sys.argv)
+        env["isolation"] = (f"one torchrun process per row, {args.nproc} rank(s)"
+                            + (f", {args.row_timeout:.0f} s each at most" if args.row_timeout else ""))
+        if pcie is not None:
+            env["PCIe"] = tb.describe_pcie(pcie)
+        return env
+
     for key in args.methods:
         print(f"== {tb.METHODS[key].name} (own process)", flush=True)
-        row, child_env = run_row(argv, key, args.nproc, args.row_timeout)
-        env = env or child_env
+        row, env = run_row(argv, key, args.nproc, args.row_timeout)
+        child_env = child_env or env
         rows.append(row)
         print(f"  -> {row.status}" + (f": {row.note}" if row.note else ""), flush=True)
-    env = dict(env or {"date (UTC)": "unknown", "device": "unknown (no row process reported)"})
-    env["command"] = "python3 " + shlex.join(sys.argv)
-    env["isolation"] = (f"one torchrun process per row, {args.nproc} rank(s)"
-                        + (f", {args.row_timeout:.0f} s each at most" if args.row_timeout else ""))
-    if pcie is not None:
-        env["PCIe"] = tb.describe_pcie(pcie)
+        if args.json:  # after every row: a run stopped from outside keeps the rows it has
+            tb.write_json(args.json, header(), rows, pcie)
+    env = header()
     print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
     tb.finish(args, env, rows, pcie)
     return 0

@@ -204,6 +204,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--pcie-repeats", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="also write the header and the rows as JSON to PATH")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)  # --isolate: a row process's result
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: print one table of the rows of these --json files (e.g. the phases of a "
+                        "GPU run made in separate calls), with the ratios across them; --markdown/--json as usual")
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**PRESETS[preset])
@@ -958,8 +961,35 @@ def finish(args: argparse.Namespace, env: Dict[str, str], rows: List[Row], pcie:
         print(f"wrote {args.json}", flush=True)
 
 
+def merge(args: argparse.Namespace) -> int:
+    """--merge: one table of the rows of several --json files; the header is the first file's, the
+    PCIe figure the first one measured (each file's own is listed)."""
+    env: Dict[str, str] = {}
+    rows: List[Row] = []
+    pcie = None
+    for i, path in enumerate(args.merge):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        env = env or dict(data["env"])
+        env[f"part {i + 1}"] = f"{path}: {data['env'].get('command', '?')} ({data['env'].get('date (UTC)', '?')} UTC)"
+        if data.get("pcie") and "error" not in data["pcie"]:
+            pcie = pcie or data["pcie"]
+            env[f"part {i + 1} PCIe"] = describe_pcie(data["pcie"])
+        fields = {f.name for f in dataclasses.fields(Row)}
+        for r in data["rows"]:
+            r = {k: v for k, v in r.items() if k in fields}
+            r.update(vs_fsdp2=None, vs_fsdp2_offload=None)  # recomputed across all parts
+            rows.append(Row(**r))
+    env["command"] = "python3 " + shlex.join(sys.argv)
+    print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
+    finish(args, env, rows, pcie)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     if args.isolate:
         from row_process import run_isolated
 
