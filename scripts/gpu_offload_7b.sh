@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
-[ $# -ge 1 ] || { sed -n 2,25p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,21p "$0"; exit 2; }
 
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"

@@ -416,3 +416,69 @@ def test_largest_model_reports_what_trains_and_why_the_rest_fails_on_cpu(tmp_pat
     assert (fsdp2["first_failure"]["status"], fsdp2["first_failure"]["note"]) == \
         ("n/a", "CPUOffloadPolicy needs a CUDA device")
     assert "| FSDP2 + CPU offload + compile | none tried trains |" in md.read_text()
+
+
+def test_merge_joins_the_tables_of_separate_runs_and_takes_the_ratio_across_them(tmp_path):
+    import argparse
+    import json
+
+    import train_bench
+
+    Row = train_bench.Row
+    env = {"date (UTC)": "2026-11-25 02:00", "device": "1 x GPU", "command": "python3 bench/train_bench.py ..."}
+    pcie = {"bytes_per_copy": 1 << 30, "repeats": 5, "h2d_gb_s": 25.0, "d2h_gb_s": 26.0, "both_h2d_gb_s": 20.0,
+            "both_d2h_gb_s": 20.0, "both_total_gb_s": 40.0}
+    a, b = tmp_path / "fsdp2.json", tmp_path / "z3.json"
+    train_bench.write_json(str(a), env, [Row(train_bench.FSDP2_OFFLOAD_NAME, tokens_per_s=200.0, step_ms=10240.0)],
+                           pcie)
+    train_bench.write_json(str(b), env, [Row(train_bench.METHODS["z3-offload"].name, tokens_per_s=1000.0,
+                                             step_ms=2048.0, vs_fsdp2_offload=123.0)], None)
+    out = tmp_path / "merged.json"
+    assert train_bench.main(["--merge", str(a), str(b), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [r["method"] for r in merged["rows"]] == [train_bench.FSDP2_OFFLOAD_NAME,
+                                                     train_bench.METHODS["z3-offload"].name]
+    # The stale ratio of part 2 (no peer in its own run) is replaced by the one across both parts.
+    assert merged["rows"][1]["vs_fsdp2_offload"] == pytest.approx(5.0)
+    assert merged["pcie"] == pcie and merged["env"]["part 2"].startswith(str(b))
+
+
+def test_stopping_an_isolated_run_stops_its_row_process(tmp_path):
+    """``timeout`` around the whole run sends SIGTERM to the parent only; the row process runs in
+    a session of its own and must be stopped with it, or it keeps the device for the next command."""
+    import signal
+    import subprocess
+    import time
+
+    marker = "918273"  # a seed no other process uses: finds the row process in /proc
+    parent = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "train_bench.py"), "--preset", "tiny",
+                               "--isolate", "--methods", "z3", "--seed", marker, "--warmup", "1", "--steps", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def row_processes():
+        found = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) != parent.pid:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        args = f.read().split(b"\0")
+                except OSError:
+                    continue
+                if marker.encode() in args and b"--child-json" in args:
+                    found.append(int(pid))
+        return found
+
+    try:
+        deadline = time.monotonic() + 120
+        while not row_processes():
+            assert parent.poll() is None and time.monotonic() < deadline, "the row process never started"
+            time.sleep(0.2)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=120) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 60
+        while row_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert row_processes() == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
