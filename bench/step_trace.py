@@ -150,13 +150,14 @@ def copies_and_kernels(trace: dict) -> Tuple[List[Tuple[str, object, float, floa
         cat = str(ev.get("cat", "")).lower()
         args = ev.get("args") or {}
         start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        stream = args.get("stream", ev.get("tid"))  # kineto names the stream in args; its row (tid) is the stream too
         if cat == "kernel":
-            kernels.append((args.get("stream"), start, end))
+            kernels.append((stream, start, end))
         elif cat == "gpu_memcpy":
             name = str(ev.get("name", ""))
             direction = "H2D" if "HtoD" in name else "D2H" if "DtoH" in name else None
             if direction is not None:
-                copies.append((direction, args.get("stream"), start, end, int(args.get("bytes", 0) or 0)))
+                copies.append((direction, stream, start, end, int(args.get("bytes", 0) or 0)))
     return copies, kernels
 
 
