@@ -9,14 +9,15 @@
 # Every phase builds first (incremental on a warm machine); all phases of one call share CALL_S
 # seconds (default 570: the machine's per-call limit is 600), each a timeout of what is left.
 # Phases, each sized for one call of about 550 s (timings on an H100: FSDP2 + CPU offload of 7B runs 10.6 s/step, compiles ~60 s):
-#   table-z3      PCIe + z3-offload, z3-offload-budget, z3-offload-all          (~5 min)
+#   table-z3      PCIe + z3-offload-budget, z3-offload                         (~5 min)
+#   table-z3-all  PCIe + z3-offload-all (all offload kinds; "unavailable" while the config refuses one)
 #   table-fsdp2   PCIe + fsdp2-offload (init on the host, ~108 GB pinned)       (~4 min)
-#   table         both of the above in one table (one call only if it fits: ~8 min)
+#   table         all four rows in one table (one call only if it fits: ~8-10 min)
 #   largest-z3    largest layer count that trains, deepcompile z3-offload-budget (LARGEST_Z3_LAYERS)
 #   largest-fsdp2-offload   the same for FSDP2 + CPU offload          (LARGEST_FSDP2_OFFLOAD_LAYERS)
 #   largest-nooffload       the same for FSDP2 and deepcompile ZeRO-3 without offload (LARGEST_NOOFFLOAD_LAYERS)
 # The tables of separate calls are merged afterwards, anywhere (no GPU):
-#   python3 bench/train_bench.py --merge table-fsdp2.json table-z3.json --markdown bench/RESULTS.md
+#   python3 bench/train_bench.py --merge table-fsdp2.json table-z3.json table-z3-all.json --markdown bench/RESULTS.md
 # largest-*: bisects the layer list (LARGEST_SEARCH=linear: in order), LARGEST_TIMEOUT s per try.
 # Extra train_bench options for the table phases: TABLE_OPTS (e.g. "--offload-passes prefetch --warmup 3").
 set -uo pipefail
@@ -24,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
-[ $# -ge 1 ] || { sed -n 2,21p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }
 
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
@@ -52,9 +53,10 @@ rc=0
 for phase in "$@"; do
   echo "== phase $phase ($((SECONDS - start)) s in)"
   case "$phase" in
-    table-z3) table table-z3 z3-offload,z3-offload-budget,z3-offload-all ;;
+    table-z3) table table-z3 z3-offload-budget,z3-offload ;;
+    table-z3-all) table table-z3-all z3-offload-all ;;
     table-fsdp2) table table-fsdp2 fsdp2-offload ;;
-    table) table table fsdp2-offload,z3-offload,z3-offload-budget,z3-offload-all ;;
+    table) table table fsdp2-offload,z3-offload-budget,z3-offload,z3-offload-all ;;
     largest-z3) largest largest-z3 z3-offload-budget "${LARGEST_Z3_LAYERS:-32,40,48,56,64}" ;;
     largest-fsdp2-offload) largest largest-fsdp2-offload fsdp2-offload "${LARGEST_FSDP2_OFFLOAD_LAYERS:-32,36,40}" ;;
     largest-nooffload) largest largest-nooffload fsdp2,z3 "${LARGEST_NOOFFLOAD_LAYERS:-16,20,24}" ;;
