@@ -44,8 +44,8 @@ The rows and how each one keeps its weights:
   (host out of memory: killed) or times out says so in its row, and the table goes on. The extra
   column "host peak" is the row process's peak resident memory (VmHWM).
 * PCIe: on CUDA the run first measures pinned host-device copy bandwidth (``bench/pcie_bench.py``:
-  H2D, D2H, both at once; ``--pcie-gib`` x ``--pcie-repeats``; ``--no-pcie`` skips it) and prints it
-  in the header, so a row's transfer time can be read against the bus.
+  H2D, D2H, both at once; ``--pcie-gib`` x ``--pcie-repeats``; on by default when an offload row
+  runs, ``--pcie``/``--no-pcie`` to choose) and prints it in the header, so a row's transfer time can be read against the bus.
 * ``--trace DIR``: after the measured steps, ``--trace-steps`` more run under ``torch.profiler``
   (``bench/step_trace.py``); from the trace every row gets the columns "transfer / hidden ms (%)"
   (H2D + D2H copy time per step and the part of it during which kernels on other streams run),
@@ -198,8 +198,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--offload-passes", choices=sorted(OFFLOAD_PASSES), default="none",
                    help="deepcompile passes of the offload rows: none (plain ZeRO-3), prefetch, auto "
                         "(prefetch + selective_gather); the last two need --warmup >= 3")
-    p.add_argument("--pcie", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure pinned host<->device bandwidth first (CUDA only; default on)")
+    p.add_argument("--pcie", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure pinned host<->device bandwidth first (CUDA only; default: when an offload row runs)")
     p.add_argument("--pcie-gib", type=float, default=1.0)
     p.add_argument("--pcie-repeats", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="also write the header and the rows as JSON to PATH")
@@ -232,6 +232,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if not 0.0 < args.memory_budget_fraction <= 1.0:
         p.error("--memory-budget-fraction must be in (0, 1]")
     args.methods = keys
+    if args.pcie is None:  # the bus only matters to the rows that use it; other tables stay as they were
+        args.pcie = bool(set(keys) & set(OFFLOAD_KEYS))
     args.reduce_bucket_size = int(args.reduce_bucket_size)
     args.persistence_threshold = int(args.persistence_threshold)
     return args

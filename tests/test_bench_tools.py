@@ -1,5 +1,8 @@
-"""The offline analysis helpers of bench/: interval arithmetic of the step trace and the
-allocator-history replay of memory_peak.py (their numbers go into bench/RESULTS.md)."""
+"""The offline analysis helpers of bench/: interval arithmetic of the step trace (communication
+and, for offload, host-device copies against compute), the allocator-history replay of
+memory_peak.py, the table and its columns; and, end to end on CPU, train_bench's offload rows in
+processes of their own, largest_model.py's search, and checkpointing_memory.py (their GPU numbers
+go into bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -228,7 +231,9 @@ def test_7b_preset_is_the_issue_model_and_isolates_its_rows():
     args = train_bench.parse_args(["--preset", "7b"])
     assert (args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab) == \
         (4096, 32, 32, 32, 11008, 32000)
-    assert (args.micro_batch, args.seq, args.init, args.isolate) == (1, 2048, "meta", True)
+    assert (args.micro_batch, args.seq, args.init, args.isolate, args.pcie) == (1, 2048, "meta", True, True)
+    assert train_bench.parse_args(["--methods", "z3,fsdp2"]).pcie is False  # no offload row: no PCIe measurement
+    assert train_bench.parse_args(["--methods", "z3", "--pcie"]).pcie is True
     assert args.methods == ["fsdp2-offload", "z3-offload", "z3-offload-budget", "z3-offload-all"]
     assert train_bench.count_params(args) == pytest.approx(6.74e9, rel=1e-3)  # the issue's 6.74 B
     # Explicit options still win over the preset.
