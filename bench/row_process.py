@@ -98,8 +98,11 @@ def failure(code: Optional[int], tail: List[str], timeout: Optional[float]) -> T
     if code is None:
         return "timeout", f"no result within {timeout:.0f} s"
     text = "\n".join(tail)
-    last = next((line.strip() for line in reversed(tail)
-                 if "Error" in line or "error:" in line or "Exception" in line), tail[-1].strip() if tail else "")
+    # The worker's own error, not torchrun's report that a worker failed.
+    ours = [line for line in tail if not any(s in line for s in ("torch.distributed.elastic", "ChildFailedError",
+                                                                 "error_file", "traceback :"))]
+    last = next((line.strip() for line in reversed(ours)
+                 if "Error" in line or "error:" in line or "Exception" in line), ours[-1].strip() if ours else "")
     if code in (-9, 137) or "SIGKILL" in text or "exitcode  : -9" in text:
         return "killed", "killed by SIGKILL (host out of memory?)" + (f"; {last[:200]}" if last else "")
     return "error", f"exit {code}" + (f": {last[:240]}" if last else "")
