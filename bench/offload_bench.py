@@ -15,10 +15,10 @@ One GPU, a Llama that fits without offload (default: hidden 2048, 8 layers, seq 
   layer and the root with ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the
   optimizer step on the host), ``MixedPrecisionPolicy(bf16, fp32)``, then ``torch.compile``.
 
-Timing, memory and the other columns are train_bench.py's (its docstring says how each is taken;
-this script reuses its measuring code and only adds rows). The note of an offload row gives the
-bytes offloaded and the device memory held between steps (``memory_allocated`` after the last
-step, synchronised).
+The rows are train_bench.py's own (``--methods`` keys of the same names; its docstring says how each
+row and column is taken); this script is a preset: the smaller model, these four rows, and the
+budget of ``z3-offload-budget`` taken from the ``z3`` row's measured peak unless
+``--offload-budget-gib`` is given. For the issue's 7B model use ``train_bench.py --preset 7b``.
 
 About 4-5 minutes on one H100 with the defaults (three compiles of the 8-layer model dominate).
 """
@@ -33,14 +33,14 @@ from typing import List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_bench as tb  # noqa: E402  (bench/ is not a package; this script only adds rows to its table)
+import train_bench as tb  # noqa: E402  (bench/ is not a package)
 
 GIB = 1024**3
 OFFLOAD_DEFAULTS = ["--hidden", "2048", "--layers", "8", "--heads", "16", "--intermediate", "5632", "--seq", "1024",
                     "--micro-batch", "2", "--warmup", "3", "--steps", "5",
                     "--methods", "z3,z3-offload,z3-offload-budget,fsdp2-offload"]
 # Set from the z3 row when --offload-budget-gib is not given.
-_measured = {"z3_peak": None, "adam_bytes": None}
+_measured = {"z3_peak": None}
 _budget_gib: Optional[float] = None
 
 
@@ -49,76 +49,28 @@ def _adam_bytes(ctx: tb.Context) -> int:
     return 2 * 4 * -(-ctx.n_params // ctx.world)
 
 
-def offload_runner(ctx: tb.Context, offload: str) -> tb.Runner:
-    import deepcompile
-
-    model = tb.build_model(ctx, torch.bfloat16)
-    optimizer = tb.make_optimizer(ctx, model.parameters())
-    config = {
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": ctx.args.reduce_bucket_size,
-                              "stage3_param_persistence_threshold": ctx.args.persistence_threshold},
-        "bf16": {"enabled": True},
-        "train_micro_batch_size_per_gpu": ctx.args.micro_batch,
-        "compile": {"prefetch": False, "selective_gather": False},
-    }
-    if offload == "all":
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    elif offload == "budget":
-        budget = _budget_gib
-        if budget is None:
-            if _measured["z3_peak"] is None:
-                raise tb.Unavailable("needs --offload-budget-gib or the z3 row before it")
-            budget = (_measured["z3_peak"] - _adam_bytes(ctx) // 2) / GIB
-        config["compile"]["offload_opt_states"] = True
-        config["compile"]["memory_budget_bytes"] = int(budget * GIB)
-    engine = deepcompile.initialize(model, optimizer, config)
-    engine.compile(backend=ctx.backend)
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
+def z3_runner(ctx: tb.Context) -> tb.Runner:
+    """train_bench's z3 row, remembering its peak for the budget row."""
+    runner = tb.deepcompile_runner(ctx, stage=3)
+    inner = runner.note
 
     def note() -> str:
-        tb.sync(ctx)
-        between = torch.cuda.memory_allocated(ctx.device) / GIB if ctx.is_cuda else float("nan")
-        if offload == "none":
-            if ctx.is_cuda:
-                _measured["z3_peak"] = torch.cuda.max_memory_allocated(ctx.device)
-            return f"between steps {between:.2f} GiB"
-        r = engine.offload.report()
-        return (f"offloaded {r['offloaded_bytes'] / GIB:.2f} GiB of {(r['offloaded_bytes'] + r['resident_bytes']) / GIB:.2f}"
-                f" GiB, reloaded in backward {r['reloaded_during_backward_bytes'] / GIB:.2f} GiB, budget "
-                f"{(r['budget_bytes'] or 0) / GIB:.1f} GiB; between steps {between:.2f} GiB")
+        if ctx.is_cuda:
+            _measured["z3_peak"] = torch.cuda.max_memory_allocated(ctx.device)
+        return inner()
 
-    return tb.Runner(step, close=engine.destroy, note=note)
+    return dataclasses.replace(runner, note=note)
 
 
-def fsdp2_offload_runner(ctx: tb.Context) -> tb.Runner:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    if not ctx.is_cuda:
-        raise tb.Unavailable("CPUOffloadPolicy needs a CUDA device")
-    model = tb.build_model(ctx, torch.float32)
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    optimizer = tb.make_optimizer(ctx, model.parameters())  # host DTensor shards: the step runs on the CPU
-    return tb.torch_training_runner(torch.compile(model, backend=ctx.backend), optimizer)
-
-
-ROWS = {
-    "z3": tb.Method("deepcompile ZeRO-3", lambda ctx: offload_runner(ctx, "none")),
-    "z3-offload": tb.Method("deepcompile ZeRO-3 + offload_optimizer", lambda ctx: offload_runner(ctx, "all")),
-    "z3-offload-budget": tb.Method("deepcompile ZeRO-3 + offload_opt_states, budget",
-                                   lambda ctx: offload_runner(ctx, "budget")),
-    "fsdp2-offload": tb.Method("FSDP2 + CPU offload + compile", fsdp2_offload_runner),
-}
+def budget_runner(ctx: tb.Context) -> tb.Runner:
+    """z3-offload-budget under a budget that forces the planner to offload about half the Adam state."""
+    budget = _budget_gib
+    if budget is None:
+        if _measured["z3_peak"] is None:
+            raise tb.Unavailable("needs --offload-budget-gib or the z3 row before it")
+        budget = (_measured["z3_peak"] - _adam_bytes(ctx) // 2) / GIB
+    return tb.deepcompile_runner(ctx, 3, tb.OFFLOAD_PASSES[ctx.args.offload_passes], "budget",
+                                 budget_bytes=int(budget * GIB))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -128,9 +80,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         i = argv.index("--offload-budget-gib")
         _budget_gib = float(argv[i + 1])
         del argv[i:i + 2]
+    if "--isolate" in argv:
+        raise SystemExit("offload_bench.py: its budget row needs the z3 row of the same process; use "
+                         "--offload-budget-gib with train_bench.py --isolate instead")
+    tb.METHODS["z3"] = dataclasses.replace(tb.METHODS["z3"], build=z3_runner)
+    tb.METHODS["z3-offload-budget"] = dataclasses.replace(tb.METHODS["z3-offload-budget"], build=budget_runner)
     # The script's defaults first; options given on the command line override them.
-    tb.METHODS.clear()
-    tb.METHODS.update({key: dataclasses.replace(m, key=key) for key, m in ROWS.items()})
     return tb.main(OFFLOAD_DEFAULTS + argv)
 
 

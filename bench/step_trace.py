@@ -10,7 +10,11 @@ Used by ``train_bench.py --trace DIR``: after a method's measured steps, ``trace
 * the top operators and kernels by device time;
 * how communication overlaps computation: the time some compute kernel runs, the time some NCCL
   kernel runs, and the NCCL time with no compute kernel running at all (communication the step
-  waits for: exposed), against the wall time.
+  waits for: exposed), against the wall time;
+* host-device transfers (offload): per direction (H2D, D2H) the time some copy of that direction
+  runs, how much of it some kernel on another stream runs alongside (hidden behind compute), and
+  the bytes moved, per step (``transfer_overlap``, from the Chrome trace's ``gpu_memcpy`` and
+  ``kernel`` events with their streams).
 
 Next to it, for a closer look offline, ``DIR/<method key>.trace.json.gz`` (the Chrome trace,
 gzipped: a few MiB instead of tens) and ``DIR/<method key>.memory.pickle.gz`` (the allocator's
@@ -20,11 +24,13 @@ history of the traced steps with Python stacks, for ``torch.cuda.memory._snapsho
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import json
 import os
 import shutil
 import time
-from typing import Callable, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -90,6 +96,97 @@ def overlap_lines(kernels: List[Tuple[str, float, float]], wall_ms: float, steps
     ]
 
 
+@dataclasses.dataclass
+class Transfers:
+    """One copy direction over the traced steps (times in us, totals over all traced steps)."""
+
+    busy_us: float = 0.0  # union of the direction's copy intervals
+    hidden_us: float = 0.0  # part of busy_us during which a kernel on another stream runs
+    nbytes: int = 0
+    copies: int = 0
+
+
+def _clip(interval: Tuple[float, float], union: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The pieces of ``interval`` covered by the disjoint, sorted ``union``."""
+    start, end = interval
+    return [(max(start, s), min(end, e)) for s, e in union if s < end and e > start]
+
+
+def transfer_overlap(copies: List[Tuple[str, object, float, float, int]],
+                     kernels: List[Tuple[object, float, float]]) -> Dict[str, Transfers]:
+    """Per direction of ``copies`` (direction, stream, start, end, bytes): the time some copy of
+    that direction runs (copies overlapping each other count once) and how much of it is hidden,
+    i.e. covered by some kernel of ``kernels`` (stream, start, end) that runs on another stream
+    than the copy (a kernel on the copy's own stream cannot run alongside it)."""
+    by_stream: Dict[object, List[Tuple[float, float]]] = {}
+    for stream, start, end in kernels:
+        by_stream.setdefault(stream, []).append((start, end))
+    others: Dict[object, List[Tuple[float, float]]] = {}
+    out: Dict[str, Transfers] = {}
+    pieces: Dict[str, Tuple[List[Tuple[float, float]], List[Tuple[float, float]]]] = {}
+    for direction, stream, start, end, nbytes in copies:
+        if stream not in others:
+            others[stream] = _union_us([iv for s, ivs in by_stream.items() if s != stream for iv in ivs])
+        spans, hidden = pieces.setdefault(direction, ([], []))
+        spans.append((start, end))
+        hidden.extend(_clip((start, end), others[stream]))
+        t = out.setdefault(direction, Transfers())
+        t.nbytes += int(nbytes)
+        t.copies += 1
+    for direction, (spans, hidden) in pieces.items():
+        out[direction].busy_us = _length(_union_us(spans))
+        out[direction].hidden_us = _length(_union_us(hidden))
+    return out
+
+
+def copies_and_kernels(trace: dict) -> Tuple[List[Tuple[str, object, float, float, int]], List[Tuple[object, float, float]]]:
+    """From a Chrome trace (``prof.export_chrome_trace``): the host-device copies as (``"H2D"`` or
+    ``"D2H"``, stream, start_us, end_us, bytes) and the kernels as (stream, start_us, end_us).
+    Device-to-device and peer copies are not PCIe transfers and are left out."""
+    copies, kernels = [], []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat = str(ev.get("cat", "")).lower()
+        args = ev.get("args") or {}
+        start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        stream = args.get("stream", ev.get("tid"))  # kineto names the stream in args; its row (tid) is the stream too
+        if cat == "kernel":
+            kernels.append((stream, start, end))
+        elif cat == "gpu_memcpy":
+            name = str(ev.get("name", ""))
+            direction = "H2D" if "HtoD" in name else "D2H" if "DtoH" in name else None
+            if direction is not None:
+                copies.append((direction, stream, start, end, int(args.get("bytes", 0) or 0)))
+    return copies, kernels
+
+
+def transfer_summary(transfers: Dict[str, Transfers], steps: int, wall_ms: float) -> Dict[str, float]:
+    """Per-step numbers of the table: transfer and hidden ms per direction and together, GB moved."""
+    per = max(steps, 1)
+    out: Dict[str, float] = {"step_ms": wall_ms / per}
+    for direction in ("H2D", "D2H"):
+        t = transfers.get(direction, Transfers())
+        key = direction.lower()
+        out[f"{key}_ms"] = t.busy_us / 1e3 / per
+        out[f"{key}_hidden_ms"] = t.hidden_us / 1e3 / per
+        out[f"{key}_gb"] = t.nbytes / 1e9 / per
+    out["transfer_ms"] = out["h2d_ms"] + out["d2h_ms"]
+    out["hidden_ms"] = out["h2d_hidden_ms"] + out["d2h_hidden_ms"]
+    return out
+
+
+def transfer_lines(summary: Dict[str, float]) -> List[str]:
+    lines = []
+    for direction in ("H2D", "D2H"):
+        key = direction.lower()
+        busy, hidden = summary[f"{key}_ms"], summary[f"{key}_hidden_ms"]
+        pct = f"{100 * hidden / busy:.0f} %" if busy else "-"
+        lines.append(f"{direction} copies busy: {busy:.1f} ms/step, hidden behind kernels on other streams "
+                     f"{hidden:.1f} ms ({pct}), {summary[f'{key}_gb']:.2f} GB/step")
+    return lines
+
+
 def generated_kernel_line(kernels: List[Tuple[str, float, float]], steps: int) -> str:
     """Launches and time of the kernels Inductor generated (Triton's ``triton_*``): more launches
     for the same model means fusion regions were split."""
@@ -100,13 +197,14 @@ def generated_kernel_line(kernels: List[Tuple[str, float, float]], steps: int) -
 
 
 def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor], sync: Callable[[], None],
-                path: str, title: str, write: bool) -> None:
+                path: str, title: str, write: bool, record_memory: bool = True) -> Optional[Dict[str, float]]:
+    """Profile the steps; on the writing rank, write the summary and return ``transfer_summary``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     batches = list(batches)
     sync()
-    record_memory = torch.cuda.is_available() and write
+    record_memory = record_memory and torch.cuda.is_available() and write
     if record_memory:
         torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     with profile(activities=activities) as prof:
@@ -116,13 +214,15 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
         sync()
         wall_ms = (time.perf_counter() - start) * 1e3
     if not write:
-        return
+        return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     stem = path[: -len(".txt")] if path.endswith(".txt") else path
     if record_memory:
         _write_gzipped(stem + ".memory.pickle", torch.cuda.memory._dump_snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
-    _write_gzipped(stem + ".trace.json", prof.export_chrome_trace)
+    chrome: dict = {}
+    _write_gzipped(stem + ".trace.json", prof.export_chrome_trace, lambda p: chrome.update(_read_json(p)))
+    transfers = transfer_summary(transfer_overlap(*copies_and_kernels(chrome)), len(batches), wall_ms)
     kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
                if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
     kinds = {"nccl kernels": 0.0, "other kernels": 0.0, "memcpy/memset": 0.0}
@@ -135,6 +235,7 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
     lines += [f"device time, {k}: {v:.1f} ms ({v / max(len(batches), 1):.1f} ms/step)" for k, v in kinds.items()]
     lines += [generated_kernel_line(kernels, len(batches))]
     lines += [""] + overlap_lines(kernels, wall_ms, len(batches))
+    lines += [""] + transfer_lines(transfers)
     lines += ["", "## top operators by self CPU time",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)]
     if torch.cuda.is_available():
@@ -142,11 +243,19 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
                   prof.key_averages().table(sort_by=sort_device, row_limit=25, max_name_column_width=60)]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+    return transfers
 
 
-def _write_gzipped(path: str, write: Callable[[str], None]) -> None:
-    """``write(path)``, then gzip the file in place (``path + ".gz"``)."""
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_gzipped(path: str, write: Callable[[str], None], read: Optional[Callable[[str], None]] = None) -> None:
+    """``write(path)``, ``read(path)`` if given, then gzip the file in place (``path + ".gz"``)."""
     write(path)
+    if read is not None:
+        read(path)
     with open(path, "rb") as raw, gzip.open(path + ".gz", "wb", compresslevel=6) as packed:
         shutil.copyfileobj(raw, packed)
     os.remove(path)

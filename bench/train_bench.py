@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 bench/train_bench.py [--preset tiny|8b] [--methods z3,z1,...]
                                                      [--warmup 5] [--steps 10] [--markdown PATH]
+    python3 bench/train_bench.py --preset 7b [--trace DIR]   # one GPU, offload rows, one process per row
 
 Every method trains the same randomly initialised ``transformers.LlamaForCausalLM``
 (attn_implementation="sdpa") on random token ids (labels = input ids), with AdamW, one method after
@@ -23,6 +24,33 @@ The rows and how each one keeps its weights:
   Adam state in fp32, replicated) and the forward runs under ``torch.autocast(bfloat16)``, the
   standard mixed-precision DDP recipe. Then ``torch.compile`` of the DDP module (DDPOptimizer
   splits the graph at bucket boundaries).
+* Offload (issue 18), for a model whose training state does not fit the device:
+  ``z3-offload``: deepcompile ZeRO-3 with ``zero_optimization.offload_optimizer: {"device": "cpu",
+  "pin_memory": true}`` (all optimizer state on the host between steps);
+  ``z3-offload-budget``: ``compile.offload_opt_states`` under ``compile.memory_budget_fraction``
+  (``--memory-budget-fraction``, default 0.9; ``--memory-budget-gib`` instead sets bytes): only what
+  does not fit moves; ``z3-offload-all``: every offload kind planned under that budget
+  (``offload_opt_states``, ``offload_activation``, ``offload_parameters``); a build whose config
+  refuses one of them gives the row "unavailable: <the error>"; ``fsdp2-offload``: the peer, FSDP2
+  as above plus ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the AdamW step on
+  the host; unpinned on a CPU smoke run). ``--offload-passes`` adds deepcompile's profile-guided passes to the offload rows.
+* ``--init meta`` (the ``7b`` preset's default): every model is built on the ``meta`` device, with
+  no full copy anywhere: deepcompile rows pass ``init_fn`` (transformers' ``_init_weights``) and the
+  device to ``deepcompile.initialize``, which materialises and shards one module at a time; FSDP2
+  rows shard on ``meta``, then ``to_empty`` (the host with CPU offload) and initialise each shard.
+* ``--isolate`` (the ``7b`` preset's default) runs each row in its own ``torchrun`` child process
+  (``--nproc`` ranks, ``--row-timeout`` seconds), so that host memory (FSDP2 CPU offload of a 7B
+  model pins about 108 GB) and the device are clean for the next row; a row whose process dies
+  (host out of memory: killed) or times out says so in its row, and the table goes on. The extra
+  column "host peak" is the row process's peak resident memory (VmHWM).
+* PCIe: on CUDA the run first measures pinned host-device copy bandwidth (``bench/pcie_bench.py``:
+  H2D, D2H, both at once; ``--pcie-gib`` x ``--pcie-repeats``; on by default when an offload row
+  runs, ``--pcie``/``--no-pcie`` to choose) and prints it in the header, so a row's transfer time can be read against the bus.
+* ``--trace DIR``: after the measured steps, ``--trace-steps`` more run under ``torch.profiler``
+  (``bench/step_trace.py``); from the trace every row gets the columns "transfer / hidden ms (%)"
+  (H2D + D2H copy time per step and the part of it during which kernels on other streams run),
+  "GB moved/step", "PCIe floor (ms)" (each direction's bytes over the bandwidth measured above, the
+  larger of the two: the step time if transfers were all that ran) and "traced step (ms)".
 * ``deepcompile ZeRO-3`` is plain gather-before-use insertion (both optional passes off);
   ``deepcompile ZeRO-3 + prefetch`` (key ``z3-prefetch``) adds the profile-guided prefetch pass and
   ``deepcompile ZeRO-3 + prefetch + selective`` (key ``z3-auto``) also selective unsharding, both
@@ -66,6 +94,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import json
 import math
 import os
 import shlex
@@ -83,19 +112,27 @@ from transformers import LlamaConfig, LlamaForCausalLM
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `import deepcompile` must be this checkout (the one being benchmarked), not another installed copy.
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s own modules
 
 import deepcompile  # noqa: E402
 from dist_setup import setup  # noqa: E402
 
 FSDP2_NAME = "FSDP2 + compile"  # the peer the compile-time ratio is taken against
+FSDP2_OFFLOAD_NAME = "FSDP2 + CPU offload + compile"  # the peer of the offload rows' speed-up
 GIB = 1024**3
 COMPILE_CACHES = ("cold", "shared", "off")
 
 # ------------------------------------------------------------------------------------- options
 
-PRESETS: Dict[str, Dict[str, int]] = {
+PRESETS: Dict[str, Dict[str, object]] = {
     # 8B-class (Llama-3-8B shapes). Probably does not fit for every method; OOM is reported per row.
     "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    # Issue 18's 7B Llama on one GPU: its training state (~108 GB) does not fit an 80 GB card, so
+    # the rows are the offload ones; built on meta, one process per row.
+    "7b": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000, seq=2048, micro_batch=1,
+               warmup=3, steps=3, methods="fsdp2-offload,z3-offload,z3-offload-budget,z3-offload-all",
+               init="meta", isolate=True, trace_steps=1, trace_memory=False, row_timeout=540,
+               sub_group_size=2e8),  # the offloaded step streams 1.6 GB of Adam state per sub-group
     # CPU smoke runs. Small deepcompile thresholds so that even this model has gathered (not
     # persistent) ZeRO-3 parameters and several reduce buckets, as the large models do.
     "tiny": dict(hidden=64, layers=2, heads=4, intermediate=172, vocab=256, seq=64, micro_batch=2,
@@ -150,6 +187,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace", metavar="DIR", help="after the measured steps, profile --trace-steps more with "
                    "torch.profiler and write a text summary per method to DIR/<method>.txt (rank 0)")
     p.add_argument("--trace-steps", type=int, default=2)
+    p.add_argument("--trace-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="--trace also records the allocator's history with Python stacks (default on; off in the "
+                        "7b preset: slow and large for a 7B step)")
+    p.add_argument("--init", choices=["device", "meta"], default="device",
+                   help="build each model on the device in its dtype (default) or on meta, materialised by "
+                        "deepcompile.initialize(init_fn=) / FSDP2 to_empty + init (no full copy anywhere)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="run each row in its own torchrun child process (default off; on in the 7b preset)")
+    p.add_argument("--nproc", type=int, default=1, help="--isolate: ranks of each row's process")
+    p.add_argument("--row-timeout", type=float, default=None, help="--isolate: seconds per row (default: none)")
+    p.add_argument("--memory-budget-fraction", type=float, default=0.9,
+                   help="z3-offload-budget / z3-offload-all: compile.memory_budget_fraction (unless --memory-budget-gib)")
+    p.add_argument("--offload-passes", choices=sorted(OFFLOAD_PASSES), default="none",
+                   help="deepcompile passes of the offload rows: none (plain ZeRO-3), prefetch, auto "
+                        "(prefetch + selective_gather); the last two need --warmup >= 3")
+    p.add_argument("--pcie", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure pinned host<->device bandwidth first (CUDA only; default: when an offload row runs)")
+    p.add_argument("--pcie-gib", type=float, default=1.0)
+    p.add_argument("--pcie-repeats", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", help="also write the header and the rows as JSON to PATH")
+    p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)  # --isolate: a row process's result
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: print one table of the rows of these --json files (e.g. the phases of a "
+                        "GPU run made in separate calls), with the ratios across them; --markdown/--json as usual")
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**PRESETS[preset])
@@ -162,13 +223,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    if args.warmup < 3 and any(m in args.methods for m in ("z3-prefetch", "z3-auto", "all")):
-        p.error("--warmup must be >= 3 with z3-prefetch / z3-auto (profile at step 0, re-plan at step 1)")
     keys = list(METHODS) if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [k for k in keys if k not in METHODS]
     if unknown or not keys:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    profiled = {"z3-prefetch", "z3-auto"} | (set(OFFLOAD_KEYS) if args.offload_passes != "none" else set())
+    if args.warmup < 3 and profiled & set(keys):
+        p.error(f"--warmup must be >= 3 with {', '.join(sorted(profiled & set(keys)))} "
+                "(profile at step 0, re-plan at step 1)")
+    if args.nproc < 1:
+        p.error("--nproc must be >= 1")
+    if not 0.0 < args.memory_budget_fraction <= 1.0:
+        p.error("--memory-budget-fraction must be in (0, 1]")
     args.methods = keys
+    if args.pcie is None:  # the bus only matters to the rows that use it; other tables stay as they were
+        args.pcie = bool(set(keys) & set(OFFLOAD_KEYS))
     args.reduce_bucket_size = int(args.reduce_bucket_size)
     args.persistence_threshold = int(args.persistence_threshold)
     return args
@@ -239,6 +308,33 @@ def build_model(ctx: Context, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def build_meta_model(ctx: Context, dtype: torch.dtype) -> torch.nn.Module:
+    """The model on the ``meta`` device (no memory): ``--init meta``."""
+    with torch.device("meta"), default_dtype(dtype):
+        model = LlamaForCausalLM(model_config(ctx.args))
+    model.train()
+    return model
+
+
+def init_local_shards(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None]) -> None:
+    """Run ``init_fn(module)`` for every module of an FSDP2-sharded model after ``to_empty``, on each
+    parameter's local shard (plain tensors, so no DTensor random op is involved; the shard is a view
+    of FSDP2's storage, written in place). With one rank the shard is the whole parameter; with
+    several each rank initialises its rows with its own generator (a different, equally valid
+    random model). Norm weights (ones) and rotary buffers come out exact either way."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for module in model.modules():
+            sharded = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+            for name, p in sharded.items():
+                module._parameters[name] = torch.nn.Parameter(p.to_local(), requires_grad=False)
+            try:
+                init_fn(module)
+            finally:
+                module._parameters.update(sharded)
+
+
 def make_optimizer(ctx: Context, params) -> torch.optim.Optimizer:
     # The same optimizer (torch's default implementation for the device) for every method.
     return torch.optim.AdamW(params, lr=ctx.args.lr)
@@ -274,8 +370,37 @@ class Runner:
     scheduled: Callable[[], bool] = lambda: True
 
 
-def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -> Runner:
-    model = build_model(ctx, torch.bfloat16)  # deepcompile needs the bf16 model on the device
+OFFLOAD_PASSES = {"none": (), "prefetch": ("prefetch",), "auto": ("prefetch", "selective_gather")}
+OFFLOAD_KEYS = ("z3-offload", "z3-offload-budget", "z3-offload-all", "fsdp2-offload")
+
+
+def offload_config(args: argparse.Namespace, offload: str, budget_bytes: Optional[int] = None) -> Dict[str, dict]:
+    """The config sections an offload row adds (``offload``: none, optimizer, budget, all):
+    ``{"zero_optimization": {...}, "compile": {...}}``, merged into the row's config."""
+    zero: Dict[str, object] = {}
+    comp: Dict[str, object] = {}
+    if offload == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    elif offload in ("budget", "all"):
+        comp["offload_opt_states"] = True
+        if offload == "all":
+            comp["offload_activation"] = True
+            comp["offload_parameters"] = True
+        if budget_bytes is not None:
+            comp["memory_budget_bytes"] = int(budget_bytes)
+        elif args.memory_budget_gib is None:
+            comp["memory_budget_fraction"] = args.memory_budget_fraction
+    elif offload != "none":
+        raise ValueError(f"unknown offload kind {offload!r}")
+    return {"zero_optimization": zero, "compile": comp}
+
+
+def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
+                       budget_bytes: Optional[int] = None) -> Runner:
+    meta = ctx.args.init == "meta"
+    # deepcompile trains the bf16 model (fp32 masters in the engine): built on the device in bf16,
+    # or on meta and materialised by initialize() one module at a time.
+    model = build_meta_model(ctx, torch.bfloat16) if meta else build_model(ctx, torch.bfloat16)
     optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
     config = {
         "zero_optimization": {
@@ -295,10 +420,18 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -
         config["compile"]["memory_budget_bytes"] = int(ctx.args.memory_budget_gib * 2**30)
     if ctx.args.sub_group_size is not None and stage == 3:
         config["zero_optimization"]["sub_group_size"] = int(ctx.args.sub_group_size)
+    for section, values in offload_config(ctx.args, offload, budget_bytes).items():
+        config[section].update(values)
+    init = dict(init_fn=model._init_weights, device=ctx.device) if meta else {}
+    if meta:
+        torch.manual_seed(ctx.args.seed)  # init_fn runs from rank 0's generator state
     try:
-        engine = deepcompile.initialize(model, optimizer, config)
-    except BaseException:
+        engine = deepcompile.initialize(model, optimizer, config, **init)
+    except BaseException as e:
         deepcompile.runtime.cleanup()  # initialize may fail after creating the runtime
+        if offload == "all" and isinstance(e, (ValueError, NotImplementedError)):
+            # An offload kind this build refuses (config validation): the row says which, the table goes on.
+            raise Unavailable("unavailable: " + " ".join(str(e).split())[:300]) from e
         raise
     engine.compile(backend=ctx.backend)
 
@@ -318,9 +451,30 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = ()) -
         # ZeRO-3 parameters used outside the compiled graphs (graph breaks) are gathered by
         # module hooks, unscheduled: correct but slower. Say so rather than hide it in the time.
         eager = engine.eagerly_gathered_params() if stage == 3 else []
-        return f"{len(eager)} parameters gathered eagerly (graph breaks)" if eager else ""
+        notes = [f"{len(eager)} parameters gathered eagerly (graph breaks)"] if eager else []
+        if getattr(engine, "offload", None) is not None:
+            notes.append(offload_note(engine.offload.report()))
+        if offload != "none":
+            sync(ctx)
+            if ctx.is_cuda:
+                notes.append(f"between steps {torch.cuda.memory_allocated(ctx.device) / GIB:.2f} GiB")
+        return "; ".join(notes)
 
     return Runner(step, close=engine.destroy, note=note, scheduled=lambda: last["scheduled"])
+
+
+def offload_note(r: Dict[str, object]) -> str:
+    """What the optimizer-state offload plan moved (``engine.offload.report()``)."""
+    total = (r.get("offloaded_bytes") or 0) + (r.get("resident_bytes") or 0)
+    budget = r.get("budget_bytes")
+    return (f"opt states offloaded {size(r.get('offloaded_bytes') or 0)} of {size(total)}, "
+            f"reloaded in backward {size(r.get('reloaded_during_backward_bytes') or 0)}, budget "
+            + (size(budget) if budget else "none"))
+
+
+def size(nbytes: float) -> str:
+    """GiB, or MiB below one GiB (the tiny CPU models)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def torch_training_runner(compiled, optimizer, autocast_device: Optional[str] = None) -> Runner:
@@ -337,17 +491,32 @@ def torch_training_runner(compiled, optimizer, autocast_device: Optional[str] = 
     return Runner(step)
 
 
-def fsdp2_runner(ctx: Context) -> Runner:
+def fsdp2_runner(ctx: Context, cpu_offload: bool = False) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model = build_model(ctx, torch.float32)  # fp32 shards are the master weights
+    meta = ctx.args.init == "meta"
+    # fp32 shards are the master weights
+    model = build_meta_model(ctx, torch.float32) if meta else build_model(ctx, torch.float32)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if cpu_offload:  # parameters, gradients and the optimizer step on the host, pinned for the copies
+        # (on a CPU smoke run there is nothing to pin for: the same code path, unpinned)
+        shard["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.is_cuda)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, LM head
-    optimizer = make_optimizer(ctx, model.parameters())  # DTensor shards
+        fully_shard(layer, **shard)
+    fully_shard(model, **shard)  # root: embeddings, final norm, LM head
+    if meta:
+        # The usual FSDP2 recipe: shards get storage (on the host when offloaded), then values.
+        model.to_empty(device="cpu" if cpu_offload else ctx.device)
+        torch.manual_seed(ctx.args.seed)
+        init_local_shards(model, model._init_weights)
+        if cpu_offload:  # FSDP2 moves parameters only: buffers (rotary inv_freq) go to the device
+            for module in model.modules():
+                for name, b in module._buffers.items():
+                    if b is not None:
+                        module._buffers[name] = b.to(ctx.device)
+    optimizer = make_optimizer(ctx, model.parameters())  # DTensor shards (on the host with offload)
     return torch_training_runner(torch.compile(model, backend=ctx.backend), optimizer)
 
 
@@ -378,6 +547,13 @@ METHODS: Dict[str, Method] = {
     "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
     "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
     "fsdp2": Method(FSDP2_NAME, fsdp2_runner),
+    "fsdp2-offload": Method(FSDP2_OFFLOAD_NAME, lambda ctx: fsdp2_runner(ctx, cpu_offload=True)),
+    "z3-offload": Method("deepcompile ZeRO-3 + offload_optimizer",
+                         lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "optimizer")),
+    "z3-offload-budget": Method("deepcompile ZeRO-3 + offload_opt_states, budget",
+                                lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "budget")),
+    "z3-offload-all": Method("deepcompile ZeRO-3 + all offload kinds, budget",
+                             lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "all")),
     "ddp": Method("DDP + compile", ddp_runner),
 }
 METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
@@ -403,6 +579,11 @@ class Row:
     vs_fsdp2: Optional[float] = None  # scheduled_s / FSDP2 + compile's first step, same run
     warm_scheduled_s: Optional[float] = None  # --warm-start: the same, restarted on warm caches
     loss: Optional[float] = None
+    # --trace: rank 0's step_trace.transfer_summary (per step: h2d_ms, h2d_hidden_ms, h2d_gb, the
+    # same for d2h, transfer_ms, hidden_ms, step_ms)
+    transfers: Optional[Dict[str, float]] = None
+    vs_fsdp2_offload: Optional[float] = None  # tokens/s over FSDP2 + CPU offload's, same run
+    host_peak_gib: Optional[float] = None  # --isolate: the row process's peak resident memory
 
 
 @dataclasses.dataclass
@@ -417,6 +598,7 @@ class RankMeasurement:
     warm_scheduled_s: Optional[float] = None
     peak_bytes: Optional[int] = None
     loss: float = math.nan
+    transfers: Optional[Dict[str, float]] = None
 
 
 def sync(ctx: Context) -> None:
@@ -514,8 +696,9 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
         if ctx.args.trace:
             from step_trace import trace_steps
 
-            trace_steps(runner.step, ctx.batches[: ctx.args.trace_steps], lambda: sync(ctx),
-                        os.path.join(ctx.args.trace, f"{method.key}.txt"), method.name, write=ctx.rank == 0)
+            m.transfers = trace_steps(runner.step, ctx.batches[: ctx.args.trace_steps], lambda: sync(ctx),
+                                      os.path.join(ctx.args.trace, f"{method.key}.txt"), method.name,
+                                      write=ctx.rank == 0, record_memory=ctx.args.trace_memory)
         m.loss = loss.detach().float().item()
         m.note = runner.note()
         if ctx.is_cuda:
@@ -565,6 +748,7 @@ def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Ro
     if all(m.peak_bytes is not None for m in per_rank):
         row.peak_gib = max(m.peak_bytes for m in per_rank) / GIB
     row.loss = sum(m.loss for m in per_rank) / len(per_rank)
+    row.transfers = per_rank[0].transfers  # the trace is summarised on rank 0
     return row
 
 
@@ -583,39 +767,96 @@ def compare_with_fsdp2(rows: List[Row]) -> None:
             r.vs_fsdp2 = r.scheduled_s / fsdp2.compile_s
 
 
+def compare_with_fsdp2_offload(rows: List[Row]) -> None:
+    """Fill ``vs_fsdp2_offload``: each row's tokens/s over FSDP2 + CPU offload's in this run
+    (issue 18's target: at least 5x)."""
+    peer = next((r for r in rows if r.method == FSDP2_OFFLOAD_NAME and r.status == "ok"), None)
+    if peer is None or not peer.tokens_per_s:
+        return
+    for r in rows:
+        if r.status == "ok" and r.tokens_per_s:
+            r.vs_fsdp2_offload = r.tokens_per_s / peer.tokens_per_s
+
+
+def pcie_floor_ms(transfers: Optional[Dict[str, float]], pcie: Optional[Dict[str, float]]) -> Optional[float]:
+    """The step time if host-device copies were all that ran: each direction's bytes per step over
+    that direction's bandwidth when both run at once (the directions overlap each other), the
+    larger of the two. None without a trace or a bandwidth."""
+    if not transfers or not pcie or "error" in pcie:
+        return None
+    h2d = transfers["h2d_gb"] / pcie["both_h2d_gb_s"] if transfers["h2d_gb"] else 0.0
+    d2h = transfers["d2h_gb"] / pcie["both_d2h_gb_s"] if transfers["d2h_gb"] else 0.0
+    return 1e3 * max(h2d, d2h)
+
+
 # ------------------------------------------------------------------------------------- output
 
 COLUMNS = ["method", "step time (ms)", "tokens/s/GPU", "TFLOP/s/GPU", "peak mem (GiB)", "first step (s)",
            "first scheduled step (s)", "÷ FSDP2 first step", "warm: first scheduled step (s)", "loss", "note"]
+# Shown only when some row has them (offload runs): before "loss".
+OFFLOAD_COLUMNS = ["× FSDP2 offload tokens/s", "transfer / hidden ms (%)", "GB moved/step", "PCIe floor (ms)",
+                   "traced step (ms)", "host peak (GiB)"]
 
 
-def cells(row: Row) -> List[str]:
-    def num(value: Optional[float], fmt: str) -> str:
-        if row.status != "ok":
-            return row.status  # "n/a", "OOM" or "error" in every number column
-        if value is None:
-            return "n/a"
-        # Tiny smoke-run models would print 0.0; keep three significant digits there.
-        return format(value, fmt) if abs(value) >= 1 or value == 0 else format(value, ".3g")
-
-    return [row.method, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
-            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.scheduled_s, ".1f"),
-            num(row.vs_fsdp2, ".2f"), num(row.warm_scheduled_s, ".1f"), num(row.loss, ".4f"), row.note]
+def _num(row: Row, value: Optional[float], fmt: str) -> str:
+    if row.status != "ok":
+        return row.status  # "n/a", "OOM", "error", "timeout" or "killed" in every number column
+    if value is None:
+        return "n/a"
+    # Tiny smoke-run models would print 0.0; keep three significant digits there.
+    return format(value, fmt) if abs(value) >= 1 or value == 0 else format(value, ".3g")
 
 
-def text_table(rows: List[Row]) -> str:
-    body = [COLUMNS] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+def transfer_cell(transfers: Optional[Dict[str, float]]) -> str:
+    """ "transfer / hidden ms (%)": H2D + D2H copy time per step and the part hidden behind kernels."""
+    if not transfers:
+        return "n/a"
+    busy, hidden = transfers["transfer_ms"], transfers["hidden_ms"]
+    pct = f"{100 * hidden / busy:.0f} %" if busy else "-"
+    return f"{busy:.1f} / {hidden:.1f} ({pct})"
+
+
+def show_offload_columns(rows: List[Row]) -> bool:
+    return any(r.transfers or r.vs_fsdp2_offload is not None or r.host_peak_gib is not None for r in rows)
+
+
+def columns(rows: List[Row]) -> List[str]:
+    return COLUMNS[:-2] + OFFLOAD_COLUMNS + COLUMNS[-2:] if show_offload_columns(rows) else list(COLUMNS)
+
+
+def cells(row: Row, offload_columns: bool = False, pcie: Optional[Dict[str, float]] = None) -> List[str]:
+    num = lambda value, fmt: _num(row, value, fmt)
+    out = [row.method, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
+           num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.scheduled_s, ".1f"),
+           num(row.vs_fsdp2, ".2f"), num(row.warm_scheduled_s, ".1f")]
+    if offload_columns:
+        t = row.transfers
+        out += [num(row.vs_fsdp2_offload, ".2f"),
+                transfer_cell(t) if row.status == "ok" else row.status,
+                num(t["h2d_gb"] + t["d2h_gb"] if t else None, ".2f"),
+                num(pcie_floor_ms(t, pcie), ".1f"),
+                num(t["step_ms"] if t else None, ".1f"),
+                format(row.host_peak_gib, ".1f") if row.host_peak_gib is not None else "n/a"]
+    return out + [num(row.loss, ".4f"), row.note]
+
+
+def text_table(rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> str:
+    head = columns(rows)
+    wide = show_offload_columns(rows)
+    body = [head] + [cells(r, wide, pcie) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(head))]
     fmt = lambda line: "  ".join(c.ljust(w) if i in (0, len(line) - 1) else c.rjust(w)
                                  for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-    rule = "-" * len(fmt(COLUMNS))
-    return "\n".join([fmt(COLUMNS), rule] + [fmt(line) for line in body[1:]])
+    rule = "-" * len(fmt(head))
+    return "\n".join([fmt(head), rule] + [fmt(line) for line in body[1:]])
 
 
-def markdown_table(rows: List[Row]) -> str:
+def markdown_table(rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> str:
+    head = columns(rows)
+    wide = show_offload_columns(rows)
     esc = lambda s: s.replace("|", "\\|")
-    lines = ["| " + " | ".join(COLUMNS) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]) + " |"]
-    lines += ["| " + " | ".join(esc(c) for c in cells(r)) + " |" for r in rows]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + " |"]
+    lines += ["| " + " | ".join(esc(c) for c in cells(r, wide, pcie)) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -640,7 +881,7 @@ def source_digest() -> str:
         return "unknown"
 
 
-def environment(ctx: Context) -> Dict[str, str]:
+def environment(ctx: Context, pcie: Optional[Dict[str, float]] = None) -> Dict[str, str]:
     a = ctx.args
     if ctx.is_cuda:
         device = torch.cuda.get_device_name(ctx.device)
@@ -669,13 +910,34 @@ def environment(ctx: Context) -> Dict[str, str]:
         "deepcompile": (f"reduce_bucket_size {a.reduce_bucket_size:,}, "
                         f"stage3_param_persistence_threshold {a.persistence_threshold:,}"),
         "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
+        "init": {"device": "built on the device in the training dtype",
+                 "meta": "built on meta; deepcompile.initialize(init_fn=, device=) / FSDP2 to_empty + init"}[a.init],
+        "PCIe": describe_pcie(pcie) if ctx.is_cuda else "n/a (CPU)",
     }
 
 
-def append_markdown(path: str, env: Dict[str, str], rows: List[Row]) -> None:
+def describe_pcie(pcie: Optional[Dict[str, float]]) -> str:
+    from pcie_bench import describe
+
+    return describe(pcie)
+
+
+def host_peak_bytes() -> Optional[int]:
+    """This process's peak resident memory (VmHWM; pinned host buffers count once touched)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def append_markdown(path: str, env: Dict[str, str], rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> None:
     lines = [f"## {env['date (UTC)']} UTC, {env['device']}", ""]
     lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
-    lines += ["", markdown_table(rows), ""]
+    lines += ["", markdown_table(rows, pcie), ""]
     new = not os.path.exists(path) or os.path.getsize(path) == 0
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
@@ -687,8 +949,58 @@ def append_markdown(path: str, env: Dict[str, str], rows: List[Row]) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
+def write_json(path: str, env: Dict[str, str], rows: List[Row], pcie: Optional[Dict[str, float]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"env": env, "pcie": pcie, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def finish(args: argparse.Namespace, env: Dict[str, str], rows: List[Row], pcie: Optional[Dict[str, float]]) -> None:
+    """The ratios, the table and its files (rank 0 / the parent of --isolate)."""
+    compare_with_fsdp2(rows)
+    compare_with_fsdp2_offload(rows)
+    print("\n" + text_table(rows, pcie), flush=True)
+    if args.markdown:
+        append_markdown(args.markdown, env, rows, pcie)
+        print(f"\nappended to {args.markdown}", flush=True)
+    if args.json:
+        write_json(args.json, env, rows, pcie)
+        print(f"wrote {args.json}", flush=True)
+
+
+def merge(args: argparse.Namespace) -> int:
+    """--merge: one table of the rows of several --json files; the header is the first file's, the
+    PCIe figure the first one measured (each file's own is listed)."""
+    env: Dict[str, str] = {}
+    rows: List[Row] = []
+    pcie = None
+    for i, path in enumerate(args.merge):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        env = env or dict(data["env"])
+        env[f"part {i + 1}"] = f"{path}: {data['env'].get('command', '?')} ({data['env'].get('date (UTC)', '?')} UTC)"
+        if data.get("pcie") and "error" not in data["pcie"]:
+            pcie = pcie or data["pcie"]
+            env[f"part {i + 1} PCIe"] = describe_pcie(data["pcie"])
+        fields = {f.name for f in dataclasses.fields(Row)}
+        for r in data["rows"]:
+            r = {k: v for k, v in r.items() if k in fields}
+            r.update(vs_fsdp2=None, vs_fsdp2_offload=None)  # recomputed across all parts
+            rows.append(Row(**r))
+    env["command"] = "python3 " + shlex.join(sys.argv)
+    print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
+    finish(args, env, rows, pcie)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
+    if args.isolate:
+        from row_process import run_isolated
+
+        return run_isolated(args, list(sys.argv[1:] if argv is None else argv))
     device, rank, world = setup()
     backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
     if args.compile_cache == "off":
@@ -696,8 +1008,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch._inductor.config as inductor_config
 
         inductor_config.force_disable_caches = True
+    pcie = None
+    if args.pcie and device.type == "cuda" and rank == 0:
+        from pcie_bench import measure as measure_pcie
+
+        try:
+            pcie = measure_pcie(device, args.pcie_gib, args.pcie_repeats)
+        except Exception as e:  # the table is still worth having; the header says why there is no figure
+            pcie = {"error": f"{type(e).__name__}: {e}"}
+        torch.cuda.empty_cache()
+    if device.type == "cuda":
+        dist.barrier()
     ctx = Context(args, device, backend, rank, world, make_batches(args, rank, device), count_params(args))
-    env = environment(ctx)
+    env = environment(ctx, pcie)
     if rank == 0:
         print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
 
@@ -710,18 +1033,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         everyone: List[Optional[RankMeasurement]] = [None] * world
         dist.all_gather_object(everyone, mine)
         row = combine(ctx, method, everyone)
+        if args.child_json:  # one row per process: the process's peak is the row's
+            peaks: List[Optional[int]] = [None] * world
+            dist.all_gather_object(peaks, host_peak_bytes())
+            if all(p is not None for p in peaks):
+                row.host_peak_gib = max(peaks) / GIB
         rows.append(row)
         if rank == 0:
             summary = (", ".join(f"{c}: {v}" for c, v in zip(COLUMNS[1:-1], cells(row)[1:-1])) if row.status == "ok"
                        else f"{row.status}: {row.note}")
             print("  " + summary, flush=True)
 
-    compare_with_fsdp2(rows)
     if rank == 0:
-        print("\n" + text_table(rows), flush=True)
-        if args.markdown:
-            append_markdown(args.markdown, env, rows)
-            print(f"\nappended to {args.markdown}", flush=True)
+        if args.child_json:  # a row process of --isolate: the parent prints the table
+            write_json(args.child_json, env, rows, pcie)
+        else:
+            finish(args, env, rows, pcie)
     dist.barrier()
     dist.destroy_process_group()
     return 0
