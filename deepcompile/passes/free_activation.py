@@ -38,7 +38,7 @@ from deepcompile import compat
 from deepcompile.offload import activation_ops
 from deepcompile.passes.graph_utils import alias_closure, last_user, reaches_output
 from deepcompile.passes.offload_activation import _latest, ordering_operands
-from deepcompile.passes.saved_values import SavedValue, saved_placeholders
+from deepcompile.passes.saved_values import SavedValue, saved_placeholders, storage_closure
 
 dc = torch.ops.dc
 
@@ -51,7 +51,7 @@ def insert_frees(backward: GraphModule, saved: Dict[str, SavedValue], threshold_
         nbytes = saved[placeholder.name].nbytes
         if nbytes is not None and nbytes <= threshold_bytes:
             continue
-        closure = alias_closure(placeholder)
+        closure = storage_closure(graph, placeholder)
         if reaches_output(closure):
             continue
         readers = [u for v in closure for u in v.users if u not in closure]

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile.offload import activation_ops
 from deepcompile.passes.graph_utils import alias_closure, first_user, gather_point, last_user, tensor_result
-from deepcompile.passes.saved_values import SavedValue
+from deepcompile.passes.saved_values import SavedValue, storage_closure
 
 _KEYS = itertools.count(1)  # offload site keys: never reused within a process
 
@@ -52,7 +52,8 @@ def ordering_operands(closure) -> Optional[List[Node]]:
     the op that frees the value so that every compiler runs it after all of them. Inductor realizes
     a pointwise reader lazily, possibly after a later node: only an operand forces it earlier
     (offload/activation_ops.py). None if a reader has no tensor result."""
-    readers = dict.fromkeys(u for v in closure for u in v.users if u not in closure and u.op != "output")
+    readers = dict.fromkeys(u for v in closure for u in v.users if u not in closure and u.op != "output"
+                            and u.target is not activation_ops.RELOAD)  # ordered before its wait
     out = []
     for reader in readers:
         result = tensor_result(reader)
@@ -75,7 +76,7 @@ def insert_offloads(forward: GraphModule, saved: Dict[str, SavedValue], device_t
     sites: Dict[str, OffloadSite] = {}
     for name in candidates(saved, device_type, min_bytes):
         node = nodes[name]
-        closure = alias_closure(node)
+        closure = storage_closure(graph, node)
         anchor = last_user(graph, closure)
         after = ordering_operands(closure)
         if after is None:

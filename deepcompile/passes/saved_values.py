@@ -7,8 +7,8 @@ if nothing else can read its memory. A saved value is *exclusive* when
 
 * it is computed by the graph (not a forward input: parameters, the batch, buffers), by an
   operator that does not return a view of an input (so it does not share an input's storage);
-* no view of it (transitively) is seen by the caller or saved as well: freeing it would empty
-  those views too;
+* no view of it (transitively, by schema or by its traced value sharing the storage) is seen by
+  the caller or saved as well: freeing it would empty those views too;
 * it is saved once, and is not one of the caller's outputs.
 
 The analysis reads the graph as the partitioner made it, so it holds for any inner compiler that
@@ -21,7 +21,7 @@ shares between values the graph says alias).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch.fx import GraphModule, Node
@@ -37,6 +37,20 @@ class SavedValue:
     nbytes: Optional[int]  # None: symbolic size
     floating: bool
     device: Optional[torch.device]
+
+
+def storage_closure(graph, node: Node) -> Set[Node]:
+    """``node`` and every node of ``graph`` whose value may share its storage: the views by
+    schema (``alias_closure``) and every node whose traced (fake) value aliases ``node``'s, which
+    also catches views whose schema does not say so (``aten._unsafe_view``)."""
+    members = alias_closure(node)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        for other in graph.nodes:
+            v = other.meta.get("val")
+            if other not in members and isinstance(v, torch.Tensor) and compat.shares_storage(v, val):
+                members.add(other)
+    return members
 
 
 def _nbytes(val: torch.Tensor) -> Optional[int]:
@@ -61,7 +75,7 @@ def saved_values(forward: GraphModule, num_fwd_outputs: Optional[int]) -> Dict[s
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue  # a saved symbolic int
-        closure = alias_closure(node)
+        closure = storage_closure(forward.graph, node)
         others = (visible | set(counts)) - {node}
         exclusive = (
             node.op == "call_function"
@@ -70,6 +84,7 @@ def saved_values(forward: GraphModule, num_fwd_outputs: Optional[int]) -> Dict[s
             and counts[node] == 1
             and node not in visible
             and not (closure & others)
+            and not any(m.op == "placeholder" for m in closure)  # shares a forward input's storage
         )
         result[node.name] = SavedValue(node.name, exclusive, _nbytes(val), val.is_floating_point(), val.device)
     return result
