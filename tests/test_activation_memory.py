@@ -234,6 +234,53 @@ def test_all_three_together_with_optimizer_offload():
                     kwargs={"extra_zero": {"offload_optimizer": {"device": "cpu"}}}, timeout=600)
 
 
+def _reload_placement_body(ctx):
+    from deepcompile.offload.activation_ops import RELOAD, WAIT
+
+    cfg = _config(3, offload=True, warmup_steps=1)  # profiled in step 0, re-planned after it
+    base, engine = train_engine("llama", 4, _config(3, warmup_steps=1), "eager", ctx.device)
+    engine.destroy()
+    got, engine = train_engine("llama", 4, cfg, "eager", ctx.device)
+    halves = [h for h in engine.scheduler.live_halves() if h.signature[0] == "backward"]
+    early = 0
+    for half in halves:
+        for node in half.gm.graph.nodes:
+            if node.op == "call_function" and node.target is RELOAD:
+                wait = next(u for u in node.args[0].users if u.target is WAIT)
+                early += node.next is not wait
+    engine.destroy()
+    assert got.losses == base.losses and all(torch.equal(got.params[k], base.params[k]) for k in base.params)
+    # The re-planned backward starts reloads ahead of their waits (the profile's node times cover them).
+    assert halves and early > 0, early
+
+
+@cpu_only
+def test_reloads_are_placed_ahead_from_the_profile():
+    run_distributed(_reload_placement_body, WORLD, timeout=600)
+
+
+def test_place_reloads_covers_the_copy_time():
+    from torch.fx import symbolic_trace
+
+    from deepcompile.passes.offload_activation import place_reloads
+
+    def f(x, saved):
+        a = x.sin()
+        b = a.cos()
+        c = b.exp()
+        return c * saved
+
+    gm = symbolic_trace(f)
+    saved = next(n for n in gm.graph.nodes if n.name == "saved")
+    use = next(n for n in gm.graph.nodes if n.name == "mul")
+    with gm.graph.inserting_before(use):
+        reload = gm.graph.call_function(activation_ops.RELOAD, (saved, 1))
+        gm.graph.call_function(activation_ops.WAIT, (saved, 1))
+    reload.meta["offload_bytes"] = 2_000_000  # 2 ms at 1 GB/s
+    assert place_reloads(gm, {"exp": 1.5, "cos": 1.0, "sin": 1.0}, 1e9) == 1
+    assert reload.next.name == "cos"  # exp + cos = 2.5 ms >= 2 ms; sin is not needed
+
+
 # ---- aliasing saved activations -----------------------------------------------------------------
 
 

@@ -213,7 +213,7 @@ class DeepCompileBackend:
         if is_backward and record.offload_sites:
             times = offload_activation.profiled_times(self.driver.profiles.get(signature))
             if times is not None:  # a profile of this backward exists: hide the reloads behind it
-                offload_activation.place_reloads(gm, times, self.activations.bytes_per_s())
+                offload_activation.place_reloads(gm, times, self.activations.bytes_per_s())  # also replan.py
                 gm.recompile()
         half_plan = None
         if self.stage == 3:
