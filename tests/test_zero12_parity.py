@@ -116,6 +116,8 @@ def _unimplemented_settings_body(ctx):
     with pytest.raises(RuntimeError, match="compile.free_activation act on compiled graphs"):
         engine(torch.ones(2, 3, device=ctx.device))
     engine.destroy()
+    model = torch.nn.Linear(3, 3).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # A ZeRO-3-only schedule under ZeRO-1 does nothing: said, not ignored.
     schedule = [{"step": 1, "passes": ["prefetch"]}]
     with warnings.catch_warnings(record=True) as caught:
