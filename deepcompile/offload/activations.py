@@ -94,7 +94,7 @@ class ActivationMemory:
             "h2d_bytes_per_s": bps,
             "offloaded_bytes": offloaded,
             "resident_bytes": sum(t["bytes"] for t in tensors if not t["offloaded"]),
-            "predicted_transfer_ms_per_step": round(2e3 * offloaded / bps, 4) if bps else 0.0,
+            "predicted_transfer_ms_per_step": 2e3 * offloaded / bps if bps else 0.0,
             "tensors": tensors,
         }
 

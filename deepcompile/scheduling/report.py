@@ -47,7 +47,7 @@ def _activation_lines(a: Dict[str, Any]) -> List[str]:
     lines = [f"free_activation: {'on, over ' + _mib(a['free_activation_threshold_bytes']) if a['free_activation'] else 'off'}"]
     if a["offload_activation"]:
         lines.append(f"activation offload: {_mib(a['offloaded_bytes'])} offloaded, {_mib(a['resident_bytes'])} kept; "
-                     f"predicted transfer {a['predicted_transfer_ms_per_step']} ms/step; budget {a['budget']}"
+                     f"predicted transfer {a['predicted_transfer_ms_per_step']:.4g} ms/step; budget {a['budget']}"
                      + ("" if a["planned_after_step"] is not None else " (everything offloaded until the plan, "
                         "made at the second optimizer step)"))
         lines += [f"    {t['tensor']}: {_mib(t['bytes'])}, " + ("offloaded" if t["offloaded"] else "kept")
