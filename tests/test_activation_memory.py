@@ -243,7 +243,8 @@ def test_all_three_together_with_optimizer_offload():
 def _reload_placement_body(ctx):
     from deepcompile.offload.activation_ops import RELOAD, WAIT
 
-    cfg = _config(3, offload=True, warmup_steps=1)  # profiled in step 0, re-planned after it
+    # Profiled in step 0, re-planned after it (prefetch and selective gather on), freeing as well.
+    cfg = _config(3, free=True, offload=True, warmup_steps=1)
     base, engine = train_engine("llama", 4, _config(3, warmup_steps=1), "eager", ctx.device)
     engine.destroy()
     got, engine = train_engine("llama", 4, cfg, "eager", ctx.device)
