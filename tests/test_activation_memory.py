@@ -65,6 +65,15 @@ def test_offload_frees_the_storage_and_reload_restores_it_bitwise(offloader):
     assert offloader.pin_memory is False  # pinning applies to CUDA devices only
 
 
+def test_a_transposed_activation_round_trips(offloader):
+    x = torch.randn(5, 9).t()  # what Inductor may hand over: a dense, non-contiguous layout
+    expected = x.clone()
+    activation_ops.OFFLOAD(x, [], 8)
+    assert x.untyped_storage().nbytes() == 0
+    y = _roundtrip(x, 8)
+    assert torch.equal(y, expected) and y.stride() == (1, 9)
+
+
 def test_one_key_two_shapes_gap13(offloader):
     """DeepSpeed allocates one host buffer per key, once, and never re-checks its shape."""
     a, b = torch.randn(4, 5), torch.randn(9, 2, 3)

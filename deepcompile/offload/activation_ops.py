@@ -165,8 +165,10 @@ class ActivationOffloader:
 
 
 def _owns_storage(x: torch.Tensor) -> bool:
-    """True if ``x`` spans its whole storage from offset 0 (so freeing the storage frees only ``x``)."""
-    if x.storage_offset() != 0 or not (x.is_contiguous() or x.is_non_overlapping_and_dense()):
+    """True if ``x``'s storage is exactly its own size from offset 0: ``x`` is not a part of a larger
+    buffer, so freeing the storage frees only ``x``'s bytes. (The copies go through ``copy_``, so
+    any layout, transposed included, round-trips.)"""
+    if x.numel() == 0 or x.storage_offset() != 0:
         return False
     return x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
