@@ -594,11 +594,14 @@ class CompileConfig(_Section):
     _path = "compile"
     deepcompile: bool = _key(_bool, True, "Compile through deepcompile's passes when engine.compile() is "
                              "called (DeepSpeed's default is false; here it is true).")
-    free_activation: bool = _key(_bool, False, "Free backward inputs eagerly after their last use.")
+    free_activation: bool = _key(_bool, False, "Free saved activations in the backward right after their last use "
+                                 "(compiled graphs, every backend and stage).")
     free_activation_threshold: int = _key(_integer(0), 10 * 1024 * 1024,
-                                          "Bytes; tensors at least this large are freed by free_activation.")
-    offload_activation: bool = _key(_off_only("activation offload"), False, "Only false is accepted.")
-    offload_activation_pin_memory: bool = _key(_bool, True, INFO + " (Belongs to offload_activation.)")
+                                          "Bytes; free_activation frees tensors larger than this.")
+    offload_activation: bool = _key(_bool, False, "Copy saved activations to host memory in the forward and reload "
+                                    "them ahead of their use in the backward, as far as the memory budget requires "
+                                    "(compiled graphs).")
+    offload_activation_pin_memory: bool = _key(_bool, True, "Pinned host buffers for offload_activation (CUDA).")
     offload_opt_states: bool = _key(_bool, False, "Keep the optimizer state (and ZeRO-1/2 fp32 master partitions) in "
                                     "pinned host memory as far as the memory budget requires; reloaded for the step.")
     offload_parameters: bool = _key(_bool, False, "ZeRO-3 only: keep the parameter shards (the fp32 masters) in "

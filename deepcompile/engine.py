@@ -19,6 +19,7 @@ from deepcompile import compat, debug_checks, optim_builder, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
+from deepcompile.offload.activations import activation_memory
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
@@ -31,8 +32,6 @@ from deepcompile.zero.stage12 import Zero12Sharding
 
 def _check_implemented(config: Config) -> None:
     """Refuse or announce accepted settings whose feature does not apply (never ignore them silently)."""
-    if config.compile.free_activation:
-        raise ValueError("compile.free_activation is not supported yet; set it to false")
     if config.zero_optimization.stage != 3 and config.compile.schedule and dist.get_rank() == 0:
         warnings.warn("compile.schedule holds ZeRO-3 passes only; it has no effect with stage "
                       f"{config.zero_optimization.stage}", stacklevel=3)
@@ -103,8 +102,12 @@ class Engine:
         )
         if self.offload is not None:
             self.scheduler.report.offload = self.offload.report
+        # compile.free_activation / offload_activation (offload/activations.py).
+        self.activations = activation_memory(config, self.device)
+        if self.activations is not None:
+            self.scheduler.report.activations = self.activations.report
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
-                                              sharding=self.sharding)
+                                              sharding=self.sharding, activations=self.activations)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
         if config.compile.debug_checks:
             self._ledger = debug_checks.ReductionLedger(self.sharding.param_names())
@@ -129,6 +132,8 @@ class Engine:
         self.scheduler.begin_micro_step(self.global_steps,
                                         first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
                                         can_profile=self.compiled_module.has_backends)
+        if self.activations is not None:
+            self.activations.check_runs_compiled(self._compiled)
         module = self._compiled if self._compiled is not None else self.module
         self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
@@ -170,6 +175,8 @@ class Engine:
         self.step_report.start("step")
         if self.offload is not None:
             self.offload.before_step()
+        if self.activations is not None:
+            self.activations.before_step(self.global_steps)
         norm = self.sharding.step(self.config.gradient_clipping)
         self._global_grad_norm = norm
         if self.offload is not None:
@@ -292,6 +299,8 @@ class Engine:
         self.scheduler.close()
         if self.offload is not None:
             self.offload.close()
+        if self.activations is not None:
+            self.activations.close()
         self.compiled_module.close()
         self._compiled = None
         self.sharding.close()

@@ -145,8 +145,12 @@ class _AotRun:
         self.bw_outputs = None
         self.fw_saved = None  # (shape, dtype) of the tensors the forward saves for backward
         self.boxed_args = []
+        self.num_fwd_outputs = None
+        self.fw_output_names = None
+        self.bw_placeholders = None
 
         def partition(joint, joint_inputs, **kwargs):
+            self.num_fwd_outputs = compat.partition_forward_output_count(kwargs)
             self.joint_primals = compat.joint_primal_inputs(joint)
             if mark:
                 w = self.joint_primals[self.w_index]
@@ -159,6 +163,7 @@ class _AotRun:
         def fw(gm, inputs):
             self.fw_inputs = compat.forward_inputs(gm)
             out = gm.graph.output_node().args[0]
+            self.fw_output_names = [n.name if isinstance(n, torch.fx.Node) else None for n in out]
             self.fw_saved = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in out[1:]
                              if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
             return self._half(gm)
@@ -167,6 +172,7 @@ class _AotRun:
             names = {n.name: i for i, n in enumerate(self.fw_inputs)}
             self.bw_saved = compat.saved_forward_inputs(gm, names)
             self.bw_outputs = list(gm.graph.output_node().args[0])
+            self.bw_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             return self._half(gm)
 
         aot = compat.aot_backend(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
@@ -241,6 +247,28 @@ def test_mark_must_recompute_and_min_cut_partition_save_the_input_not_its_cast(a
 
 def test_saved_forward_inputs_keep_their_names_in_the_backward(aot_run):
     assert aot_run.w_index in aot_run.bw_saved.values(), "w is saved for backward but not found by name"
+
+
+def test_partition_forward_output_count_and_is_incoming_gradient(aot_run):
+    # f returns one value (the loss): the caller sees one forward output, the rest are saved, and
+    # each saved value is a backward placeholder of the same name; the others are incoming gradients.
+    assert aot_run.num_fwd_outputs == 1
+    saved = {n for n in aot_run.fw_output_names[1:] if n is not None}
+    incoming = [n for n in aot_run.bw_placeholders if compat.is_incoming_gradient(n)]
+    assert len(incoming) == 1
+    assert {n.name for n in aot_run.bw_placeholders if not compat.is_incoming_gradient(n)} == saved
+
+
+def test_weak_id_key_dictionary_keys_by_identity_and_forgets_dead_tensors():
+    d = compat.weak_id_key_dictionary()
+    a, b = torch.zeros(3), torch.zeros(3)  # equal values, distinct tensors
+    d[a], d[b] = 1, 2
+    assert d[a] == 1 and d[b] == 2 and len(d) == 2
+    del a
+    import gc
+
+    gc.collect()
+    assert len(d) == 1
 
 
 def test_gradient_output_index_matches_backward_outputs(aot_run):

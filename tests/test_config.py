@@ -393,7 +393,14 @@ def test_offload_parameters_is_a_zero3_switch():
     assert "compile.offload_parameters: parameter offload applies to ZeRO-3's" in err(cfg)
 
 
-@pytest.mark.parametrize("key", ["offload_activation", "symmetric_memory"])
+def test_activation_keys_are_switches():
+    c = Config.from_any(make(compile={"offload_activation": True, "free_activation": True,
+                                      "offload_activation_pin_memory": False})).compile
+    assert c.offload_activation is True and c.free_activation is True and c.offload_activation_pin_memory is False
+    assert "true or false" in err(make(compile={"offload_activation": 1}))
+
+
+@pytest.mark.parametrize("key", ["symmetric_memory"])
 def test_unsupported_compile_features(key):
     msg = err(make(compile={key: True}))
     assert f"compile.{key}" in msg and "not supported yet" in msg

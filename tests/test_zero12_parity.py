@@ -111,8 +111,13 @@ def _unimplemented_settings_body(ctx):
 
     model = torch.nn.Linear(3, 3).to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="free_activation is not supported"):
-        deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "compile": {"free_activation": True}})
+    # free_activation acts on compiled graphs: the engine run uncompiled refuses it at the forward.
+    engine = deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "compile": {"free_activation": True}})
+    with pytest.raises(RuntimeError, match="compile.free_activation act on compiled graphs"):
+        engine(torch.ones(2, 3, device=ctx.device))
+    engine.destroy()
+    model = torch.nn.Linear(3, 3).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # A ZeRO-3-only schedule under ZeRO-1 does nothing: said, not ignored.
     schedule = [{"step": 1, "passes": ["prefetch"]}]
     with warnings.catch_warnings(record=True) as caught:

@@ -24,10 +24,12 @@ from deepcompile.compat.aot import (
     boxed,
     forward_inputs,
     gradient_output_index,
+    is_incoming_gradient,
     joint_primal_inputs,
     mark_boxed,
     mark_must_recompute,
     min_cut_partition,
+    partition_forward_output_count,
     saved_forward_inputs,
 )
 from deepcompile.compat.dynamo import (
@@ -58,7 +60,7 @@ from deepcompile.compat.inductor import (
 )
 from deepcompile.compat.modules import direct_buffers, direct_parameters, swap_parameter
 from deepcompile.compat.streams import stream_from_ids
-from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id
+from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id, weak_id_key_dictionary
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -78,6 +80,7 @@ __all__ = [
     "inductor_compiler_for_later",
     "inductor_decompositions",
     "inductor_joint_graph_passes",
+    "is_incoming_gradient",
     "is_op_overload",
     "joint_primal_inputs",
     "mark_boxed",
@@ -85,6 +88,7 @@ __all__ = [
     "mark_ops_side_effectful",
     "min_cut_partition",
     "never_compile_as_frame",
+    "partition_forward_output_count",
     "operator_namespace",
     "overload_packet_name",
     "protect_runtime_buffers_in_inductor",
@@ -100,5 +104,6 @@ __all__ = [
     "tree_leaves",
     "traced_value",
     "tree_map_only",
+    "weak_id_key_dictionary",
     "will_compile_frame",
 ]

@@ -89,3 +89,20 @@ def mark_must_recompute(joint: GraphModule, nodes: Iterable[Node]) -> None:
         node.meta.setdefault("ac_graph_id", 1)
     for node in nodes:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+_TANGENT_PREFIX = "tangents_"
+
+
+def partition_forward_output_count(partition_kwargs: Dict[str, Any]) -> Optional[int]:
+    """How many of the forward graph's outputs the caller sees (mutated inputs, user outputs,
+    intermediate bases); the rest are saved for backward. aot_autograd hands it to the partition
+    function as the ``num_fwd_outputs`` keyword (None if a version stops doing so)."""
+    n = partition_kwargs.get("num_fwd_outputs")
+    return int(n) if n is not None else None
+
+
+def is_incoming_gradient(placeholder: Node) -> bool:
+    """True for a backward placeholder that is an incoming gradient (aot_autograd names them
+    ``tangents_1`` ...), False for a value saved by the forward."""
+    return placeholder.op == "placeholder" and placeholder.name.startswith(_TANGENT_PREFIX)

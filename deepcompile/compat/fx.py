@@ -36,7 +36,12 @@ def mark_ops_side_effectful() -> None:
         dc.release_param.default,
         dc.prefetch_params_fused.default,
         dc.wait_allgather.default,
+        dc.free_tensors.default,
     ):
+        has_side_effect(op)
+    from deepcompile.offload import activation_ops  # registers the activation-offload ops
+
+    for op in (activation_ops.OFFLOAD, activation_ops.RELOAD, activation_ops.WAIT, activation_ops.FREE_AFTER):
         has_side_effect(op)
 
 

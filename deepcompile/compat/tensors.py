@@ -29,3 +29,12 @@ def storage_id(t: torch.Tensor) -> int:
     storage is resized (offload frees a storage's bytes and re-allocates them in place), distinct
     for distinct live storages. Relies on ``UntypedStorage._cdata`` (the StorageImpl address)."""
     return int(t.untyped_storage()._cdata)
+
+
+def weak_id_key_dictionary():
+    """A dict keyed by tensor *identity* that drops an entry when its tensor dies (a plain
+    WeakKeyDictionary compares keys with ``==``, which is elementwise for tensors). Relies on
+    ``torch.utils.weak.WeakIdKeyDictionary``."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()

@@ -35,9 +35,12 @@ from torch.fx import GraphModule, Node
 from deepcompile import compat, debug_checks, runtime
 from deepcompile.compiler.graph_variants import ParameterBoundGraph, binding_of
 from deepcompile.compiler.partitioner import make_partition_fn
+from deepcompile.passes import offload_activation
 from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
+from deepcompile.passes.free_activation import insert_frees
 from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
+from deepcompile.passes.saved_values import saved_values
 from deepcompile.passes.zero3 import insert_gather_release
 from deepcompile.scheduling import planner, replan
 from deepcompile.zero.sharding import Sharding
@@ -56,6 +59,9 @@ class GraphRecord:
         self.fw_param_names: Dict[str, int] = {}  # forward placeholder name -> ds id
         self.needs_backward = False
         self.reduced_ids: List[int] = []  # ds ids whose gradients the backward reduces, once each
+        self.num_fwd_outputs: Optional[int] = None  # forward outputs the caller sees (the partitioner's)
+        self.saved: Dict[str, Any] = {}  # the forward's saved values (passes/saved_values.py)
+        self.offload_sites: Dict[str, Any] = {}  # saved value name -> activation offload site
 
 
 class DeepCompileBackend:
@@ -66,7 +72,7 @@ class DeepCompileBackend:
     """
 
     def __init__(self, stage: int, ds_id_of: Dict[int, int], driver: Any, inner: str = "inductor",
-                 sharding: Optional[Sharding] = None):
+                 sharding: Optional[Sharding] = None, activations: Any = None):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner compiler must be 'inductor' or 'eager', got {inner!r}")
         self.inner = inner
@@ -78,6 +84,8 @@ class DeepCompileBackend:
         # For code that must run eagerly: leaves, graphs run with gathered parameters (ZeRO-3).
         self._sharding = sharding
         self._bound_graphs: List[ParameterBoundGraph] = []
+        # compile.free_activation / offload_activation (offload/activations.py), or None.
+        self.activations = activations
         compat.mark_ops_side_effectful()
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
@@ -99,7 +107,8 @@ class DeepCompileBackend:
             if copied:
                 log.debug("graph %d returns views of partitioned parameters to eager code, as copies: %s",
                           record.graph_id, copied)
-        partition = make_partition_fn(set(slots) if self.stage == 3 else None, joint_passes=self.inner == "inductor")
+        partition = make_partition_fn(set(slots) if self.stage == 3 else None, joint_passes=self.inner == "inductor",
+                                      on_forward_outputs=functools.partial(setattr, record, "num_fwd_outputs"))
         decompositions = None
         if self.inner == "inductor":
             compat.protect_runtime_buffers_in_inductor()
@@ -169,6 +178,12 @@ class DeepCompileBackend:
         if self.stage == 3:
             insert_gather_release(gm, record.graph_id, params)
             _debug_check_placeholders(gm, params, "forward")
+        act = self.activations
+        if act is not None:
+            record.saved = saved_values(gm, record.num_fwd_outputs)
+            if act.offload:
+                record.offload_sites = offload_activation.insert_offloads(
+                    gm, record.saved, act.device.type, act.min_offload_bytes)
         return self._finish(record, "forward", gm, inputs)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
@@ -182,6 +197,12 @@ class DeepCompileBackend:
             params = compat.saved_forward_inputs(gm, record.fw_param_names)
             insert_gather_release(gm, record.graph_id, params)
             _debug_check_placeholders(gm, params, "backward")
+        act = self.activations
+        if act is not None:
+            if record.offload_sites:
+                offload_activation.insert_reloads(gm, record.offload_sites)
+            if act.free:
+                insert_frees(gm, record.saved, act.free_threshold)
         return self._finish(record, "backward", gm, inputs)
 
     def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):
@@ -189,6 +210,11 @@ class DeepCompileBackend:
         gm.recompile()
         signature = planner.graph_signature(phase, gm)
         is_backward = phase == "backward"
+        if is_backward and record.offload_sites:
+            times = offload_activation.profiled_times(self.driver.profiles.get(signature))
+            if times is not None:  # a profile of this backward exists: hide the reloads behind it
+                offload_activation.place_reloads(gm, times, self.activations.bytes_per_s())  # also replan.py
+                gm.recompile()
         half_plan = None
         if self.stage == 3:
             base = _copy_graph_module(gm)

@@ -32,8 +32,9 @@ _ACTIVE: Optional["CompiledModule"] = None
 
 class CompiledModule:
     def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int,
-                 sharding: Optional[Sharding] = None):
+                 sharding: Optional[Sharding] = None, activations: Any = None):
         self.module = module
+        self.activations = activations  # compile.free_activation / offload_activation, or None
         self._sharding = sharding  # see DeepCompileBackend
         self.stage = stage
         self.driver = driver
@@ -93,7 +94,7 @@ class CompiledModule:
         """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
         if inner not in self._backends:
             self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner,
-                                                       sharding=self._sharding)
+                                                       sharding=self._sharding, activations=self.activations)
         return self._backends[inner]
 
     @property
@@ -112,6 +113,7 @@ class CompiledModule:
         self.driver = None
         self._ds_id_of = {}
         self._sharding = None
+        self.activations = None
         if _ACTIVE is self:
             _ACTIVE = None
 

@@ -39,13 +39,17 @@ def mark_parameter_views_recompute(joint: GraphModule, param_input_indices: Set[
     return len(marked)
 
 
-def make_partition_fn(param_input_indices: Optional[Set[int]], joint_passes: bool) -> Callable:
+def make_partition_fn(param_input_indices: Optional[Set[int]], joint_passes: bool,
+                      on_forward_outputs: Optional[Callable[[Optional[int]], None]] = None) -> Callable:
     """aot_autograd's min-cut partitioner after Inductor's joint-graph passes (``joint_passes``)
     and, for ZeRO-3 (``param_input_indices`` not None), the recompute marks on parameter views.
     The marks come after the passes: a pattern rewrite could replace a marked node by an unmarked
-    one."""
+    one. ``on_forward_outputs`` hears how many forward outputs the caller sees (the rest are
+    saved for backward: passes/saved_values.py)."""
 
     def partition(joint_module: GraphModule, joint_inputs, **kwargs):
+        if on_forward_outputs is not None:
+            on_forward_outputs(compat.partition_forward_output_count(kwargs))
         if joint_passes:
             joint_module = compat.inductor_joint_graph_passes(joint_module, joint_inputs)
         if param_input_indices is not None:

@@ -32,6 +32,8 @@ import torch
 from torch.fx import GraphModule
 
 from deepcompile import compat
+from deepcompile.offload import bandwidth
+from deepcompile.passes import offload_activation
 from deepcompile.passes.prefetch import apply_prefetch
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,11 @@ def replan(half: Any, driver: Any) -> bool:
     plan = driver.prefetch_plan(gm, half.signature)
     if plan is not None:
         apply_prefetch(gm, plan_state.graph_id, plan)
+    if plan_state.phase == "backward" and half.record.offload_sites:
+        # Activation reloads: early enough to hide their copies behind the profiled nodes.
+        times = offload_activation.profiled_times(driver.profiles.get(half.signature))
+        if times is not None:
+            offload_activation.place_reloads(gm, times, bandwidth.host_to_device_bytes_per_s(driver.device))
     gm.recompile()
     if gm.code == half.gm.code:
         return False  # same graph: keep the compiled code (or the deferred compile)

@@ -53,6 +53,18 @@ def _offload_lines(o: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _activation_lines(a: Dict[str, Any]) -> List[str]:
+    lines = [f"free_activation: {'on, over ' + _mib(a['free_activation_threshold_bytes']) if a['free_activation'] else 'off'}"]
+    if a["offload_activation"]:
+        lines.append(f"activation offload: {_mib(a['offloaded_bytes'])} offloaded, {_mib(a['resident_bytes'])} kept; "
+                     f"predicted transfer {a['predicted_transfer_ms_per_step']:.4g} ms/step; budget {a['budget']}"
+                     + ("" if a["planned_after_step"] is not None else " (everything offloaded until the plan, "
+                        "made at the second optimizer step)"))
+        lines += [f"    {t['tensor']}: {_mib(t['bytes'])}, " + ("offloaded" if t["offloaded"] else "kept")
+                  for t in a["tensors"]]
+    return lines
+
+
 def _key(signature: Tuple) -> str:
     phase, ids, n_nodes = signature
     return f"{phase}[{len(ids)} gathers, {n_nodes} nodes]"
@@ -71,6 +83,8 @@ class ScheduleReport:
         self.verify_profiles: Dict[Tuple, GraphProfile] = {}
         # Set by the engine when optimizer-state offload is on: returns its plan (a dict).
         self.offload: Optional[Callable[[], Dict[str, Any]]] = None
+        # Set by the engine when free_activation / offload_activation is on (offload/activations.py).
+        self.activations: Optional[Callable[[], Dict[str, Any]]] = None
 
     def planned(self, step: int, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
                 prefetch_plans: Dict[Tuple, Any]) -> None:
@@ -131,11 +145,15 @@ class ScheduleReport:
             out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
         if self.offload is not None:
             out["optimizer_state_offload"] = self.offload()
+        if self.activations is not None:
+            out["activations"] = self.activations()
         return out
 
     def text(self) -> str:
         r = self.as_dict()
         offload = [] if self.offload is None else _offload_lines(r["optimizer_state_offload"])
+        if self.activations is not None:
+            offload += _activation_lines(r["activations"])
         if "step" not in r:
             return "\n".join(["deepcompile schedule: no switch yet"] + offload)
         lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]

@@ -1,0 +1,251 @@
+"""Activation offload at run time: the ops the offload pass inserts, and what they keep.
+
+Three ops (namespace ``dcact``), all no-ops for a tensor the plan keeps on the device:
+
+* ``offload_activation(Tensor(a!) x, int key) -> ()``, in the forward after the last use of a
+  saved activation ``x``: copies ``x`` into a host buffer on the offload lane, then frees ``x``'s
+  device storage (``untyped_storage().resize_(0)``). The tensor object itself survives: it is what
+  autograd saved for the backward, and the host copy is filed under it.
+* ``reload_activation(Tensor(a!) x, int key) -> ()``, in the backward ahead of the first use:
+  re-allocates ``x``'s storage (on the compute stream, so the block is the compute stream's) and
+  copies the host buffer back on the reload lane, which first waits for the compute stream (the
+  block may have served work still queued there).
+* ``wait_reload(Tensor(a) x, int key) -> Tensor(a)``, just before the first use: the compute
+  stream waits for the reload's event; its users read its result.
+
+``after`` (offload) lists results of every node that reads ``x``: operands only for ordering.
+Inductor realizes a pointwise result lazily, when a consumer needs it, so a read of ``x`` fused
+into a later kernel would be placed after the op that frees ``x`` (seen: a segfault), whatever the
+op's mutation annotation says. An operand forces those reads to be realized first. The cost: each
+reader's result is materialized instead of fused into its consumer. ``free_after(xs, after)`` is ``dc.free_tensors(xs)`` with
+the same operand (its C++ schema has none), used by ``compile.free_activation``.
+
+Why the ops mutate ``x`` rather than returning fresh tensors: the schemas tell every compiler that
+``x`` changes there, so no reader of ``x`` is moved across them (Inductor orders a mutation after
+the reads before it), and the forward output slot keeps returning the very object autograd saves.
+The fake kernels of the first two return nothing, so no fake tensor claims a device the real
+result is not on (DeepSpeed's gap 14: its ``offload_tensor`` returns a host tensor faked as a
+device one).
+
+The host copy is filed under the tensor object (a weak-keyed map), never under ``key`` alone: a
+graph that runs twice before its backward (or again to recompute checkpointed layers) offloads two
+tensors with one key, and each gets its own buffer of its own shape (DeepSpeed's gap 13: one
+buffer per key, allocated once, its shape never re-checked). Pinned buffers come from torch's
+caching host allocator, which reuses them across steps and knows when a copy still reads them.
+
+Which keys are offloaded is decided at run time (:class:`ActivationOffloader`, ``plan``): the
+graph holds the ops for every eligible activation, and re-planning costs no recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Set
+
+import torch
+
+from deepcompile import compat
+from deepcompile.offload import device_memory
+from deepcompile.offload.lanes import CopyLanes
+
+NAMESPACE = "dcact"
+
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+_LIB.define("offload_activation(Tensor(a!) x, Tensor[] after, int key) -> ()")
+_LIB.define("reload_activation(Tensor(a!) x, int key) -> ()")
+_LIB.define("wait_reload(Tensor(a) x, int key) -> Tensor(a)")
+_LIB.define("free_after(Tensor(a!)[] xs, Tensor[] after) -> ()")
+
+
+@dataclasses.dataclass
+class _Stashed:
+    host: torch.Tensor
+    written: Optional[object]  # the offload's completion event (None: done)
+    reloaded: Optional[object] = None  # the reload's completion event, once issued
+    nbytes: int = 0
+
+
+@dataclasses.dataclass
+class KeyStats:
+    """What one offload site (one graph node) moved, for the schedule report."""
+
+    key: int
+    name: str
+    nbytes: int = 0
+    offloads: int = 0  # runs in which this site offloaded
+    kept: int = 0  # runs in which the plan (or a shared storage) kept it on the device
+
+
+class ActivationOffloader:
+    """The run-time state of activation offload for one engine.
+
+    ``plan``: the keys to offload; None offloads every key (before a plan exists, and on a CPU
+    device without a budget).
+    """
+
+    def __init__(self, device: torch.device, pin_memory: bool):
+        self.device = device
+        self.pin_memory = bool(pin_memory) and device.type == "cuda"
+        self.lanes = CopyLanes(device)
+        self.plan: Optional[Set[int]] = None
+        self.stats: Dict[int, KeyStats] = {}
+        self._stash = compat.weak_id_key_dictionary()
+        # The most device memory allocated at any op call while ``sample`` (the plan's floor).
+        self.sample = True
+        self.observed_peak = 0
+
+    def _sample(self) -> None:
+        if self.sample:
+            self.observed_peak = max(self.observed_peak, device_memory.allocated(self.device))
+
+    def site(self, key: int, name: str) -> None:
+        self.stats.setdefault(key, KeyStats(key, name))
+
+    def offload(self, x: torch.Tensor, key: int) -> None:
+        self._sample()
+        stats = self.stats.setdefault(key, KeyStats(key, f"key {key}"))
+        nbytes = x.numel() * x.element_size()
+        stats.nbytes = nbytes
+        if (self.plan is not None and key not in self.plan) or not _owns_storage(x):
+            # A tensor that shares its storage (a buffer a compiler laid out around it) cannot be
+            # freed alone: it stays.
+            stats.kept += 1
+            return
+        try:
+            host = torch.empty_like(x, device="cpu", pin_memory=self.pin_memory)
+        except RuntimeError as e:
+            raise RuntimeError(f"deepcompile: activation offload could not allocate {nbytes} bytes of "
+                               f"{'pinned' if self.pin_memory else 'pageable'} host memory: {e}") from e
+        written = self.lanes.offload(host, x)  # tells the allocator the offload lane reads x
+        x.untyped_storage().resize_(0)
+        self._stash[x] = _Stashed(host, written, nbytes=nbytes)
+        stats.offloads += 1
+
+    def reload(self, x: torch.Tensor, key: int) -> None:
+        self._sample()
+        entry = self._stash.get(x)
+        if entry is None:
+            if x.untyped_storage().nbytes() == 0 and x.numel() > 0:
+                raise RuntimeError(
+                    f"deepcompile: activation offload site {key}: the backward received a saved activation whose "
+                    "device storage was freed and no host copy is filed under it (was it replaced by another tensor "
+                    "between the forward and the backward, e.g. by a saved-tensor hook?)")
+            return  # kept on the device
+        if entry.reloaded is not None:
+            return  # reloaded already (a backward graph that reads it twice)
+        x.untyped_storage().resize_(entry.nbytes)  # x spanned its whole storage (_owns_storage)
+        entry.reloaded = self.lanes.reload(x, entry.host, entry.written) or True
+
+    def wait(self, x: torch.Tensor, key: int) -> None:
+        self._sample()
+        entry = self._stash.pop(x, None)
+        if entry is None:
+            return
+        if entry.reloaded is None:
+            raise RuntimeError(f"deepcompile: activation offload site {key}: wait_reload before reload_activation")
+        if entry.reloaded is not True:
+            self.lanes.wait(entry.reloaded)
+
+    def pending(self) -> int:
+        """Activations on the host, not yet waited for."""
+        return len(self._stash)
+
+    def report(self, bandwidth_bytes_per_s: Optional[float]) -> List[Dict]:
+        out = []
+        for s in sorted(self.stats.values(), key=lambda s: -s.nbytes):
+            offloaded = self.plan is None or s.key in self.plan
+            out.append({
+                "key": s.key, "tensor": s.name, "bytes": s.nbytes, "offloaded": offloaded,
+                "runs_offloaded": s.offloads, "runs_kept": s.kept,
+                # Offload and reload, at the measured host-to-device bandwidth.
+                "predicted_transfer_ms": (2e3 * s.nbytes / bandwidth_bytes_per_s
+                                          if offloaded and bandwidth_bytes_per_s else None),
+            })
+        return out
+
+
+def _owns_storage(x: torch.Tensor) -> bool:
+    """True if ``x``'s storage is exactly its own size from offset 0: ``x`` is not a part of a larger
+    buffer, so freeing the storage frees only ``x``'s bytes. (The copies go through ``copy_``, so
+    any layout, transposed included, round-trips.)"""
+    if x.numel() == 0 or x.storage_offset() != 0:
+        return False
+    return x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+_ACTIVE: Optional[ActivationOffloader] = None
+
+
+def activate(offloader: Optional[ActivationOffloader]) -> None:
+    """Make ``offloader`` the one the ops act for (None: the ops do nothing)."""
+    global _ACTIVE
+    _ACTIVE = offloader
+
+
+def active() -> Optional[ActivationOffloader]:
+    return _ACTIVE
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+
+
+def _offload_kernel(x: torch.Tensor, after: List[torch.Tensor], key: int) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.offload(x, key)
+
+
+@dataclasses.dataclass
+class FreeCounts:
+    """What ``free_after`` freed in this process (``dc.free_tensors`` applies the byte threshold)."""
+
+    tensors: int = 0
+    bytes: int = 0
+
+
+FREED = FreeCounts()
+
+
+def _free_after_kernel(xs: List[torch.Tensor], after: List[torch.Tensor]) -> None:
+    held = [x.untyped_storage().nbytes() for x in xs]
+    torch.ops.dc.free_tensors(xs)
+    for x, before in zip(xs, held):
+        if before and x.untyped_storage().nbytes() == 0:
+            FREED.tensors += 1
+            FREED.bytes += before
+
+
+def _reload_kernel(x: torch.Tensor, key: int) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.reload(x, key)
+
+
+def _wait_kernel(x: torch.Tensor, key: int) -> torch.Tensor:
+    if _ACTIVE is not None:
+        _ACTIVE.wait(x, key)
+    return x.view(x.shape)
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+def _alias(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.view(x.shape)
+
+
+for _dispatch_key in ("CPU", "CUDA"):
+    _LIB.impl("offload_activation", _offload_kernel, _dispatch_key)
+    _LIB.impl("reload_activation", _reload_kernel, _dispatch_key)
+    _LIB.impl("wait_reload", _wait_kernel, _dispatch_key)
+    _LIB.impl("free_after", _free_after_kernel, _dispatch_key)
+# Fake/meta kernels: shapes only, no runtime state (a traced call must not move anything).
+_LIB.impl("offload_activation", _nothing, "Meta")
+_LIB.impl("reload_activation", _nothing, "Meta")
+_LIB.impl("wait_reload", _alias, "Meta")
+_LIB.impl("free_after", _nothing, "Meta")
+
+ops = getattr(torch.ops, NAMESPACE)
+OFFLOAD = ops.offload_activation.default
+RELOAD = ops.reload_activation.default
+WAIT = ops.wait_reload.default
+FREE_AFTER = ops.free_after.default

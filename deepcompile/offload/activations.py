@@ -1,0 +1,111 @@
+"""The engine's side of ``compile.free_activation`` and ``compile.offload_activation``.
+
+Both act on compiled graphs only (the graph passes ``passes/free_activation.py`` and
+``passes/offload_activation.py`` insert the ops); a forward through the engine that runs the module
+uncompiled is refused while either is on, instead of silently doing nothing.
+
+The offload plan. Until it exists, every candidate is offloaded, so a job that fits only with
+offloading runs from its first step (as DeepSpeed does). At the second optimizer step it is made
+from what the first two windows showed: the floor ``F``, the most device memory allocated at any
+offload, reload or wait (with everything offloaded), and the bytes of each offload site. With the
+memory budget ``B`` (``compile.memory_budget_bytes``, else ``memory_budget_fraction`` of the GPU;
+a CPU device has a budget only with ``memory_budget_bytes``), at most ``B - F`` bytes of
+activations may stay on the device: the plan offloads the fewest bytes, largest first, that bring
+the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
+budget everything stays offloaded. The plan is a set of site keys the ops consult at run time: no
+recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from deepcompile.offload import activation_ops, bandwidth, device_memory
+from deepcompile.offload.plan import plan_offload
+
+# On a GPU, copies under 1 MiB are dominated by launch latency and save little: not candidates.
+MIN_OFFLOAD_BYTES_CUDA = 1 << 20
+
+
+class ActivationMemory:
+    def __init__(self, compile_config: Any, device: torch.device):
+        self.device = device
+        self.free = bool(compile_config.free_activation)
+        self.free_threshold = int(compile_config.free_activation_threshold)
+        self.offloader: Optional[activation_ops.ActivationOffloader] = None
+        self.min_offload_bytes = MIN_OFFLOAD_BYTES_CUDA if device.type == "cuda" else 0
+        if compile_config.memory_budget_bytes is not None:
+            self.budget, self.budget_name = compile_config.memory_budget_bytes, "compile.memory_budget_bytes"
+        elif device.type == "cuda":
+            self.budget = int(device_memory.total(device) * compile_config.memory_budget_fraction)
+            self.budget_name = f"compile.memory_budget_fraction {compile_config.memory_budget_fraction}"
+        else:
+            self.budget, self.budget_name = None, "none (CPU device without compile.memory_budget_bytes)"
+        self.planned_after_step: Optional[int] = None
+        self.floor_bytes: Optional[int] = None
+        if compile_config.offload_activation:
+            self.offloader = activation_ops.ActivationOffloader(device, compile_config.offload_activation_pin_memory)
+            activation_ops.activate(self.offloader)
+
+    @property
+    def offload(self) -> bool:
+        return self.offloader is not None
+
+    def check_runs_compiled(self, compiled: Any) -> None:
+        if compiled is None:
+            on = [k for k, v in (("compile.free_activation", self.free), ("compile.offload_activation", self.offload))
+                  if v]
+            raise RuntimeError(f"{' and '.join(on)} act on compiled graphs: call engine.compile() before the first "
+                               "forward, or set them to false")
+
+    def bytes_per_s(self) -> float:
+        return bandwidth.host_to_device_bytes_per_s(self.device)
+
+    def before_step(self, global_steps: int) -> None:
+        """Before optimizer step ``global_steps``: plan at the second one."""
+        o = self.offloader
+        if o is None or self.planned_after_step is not None or global_steps < 1:
+            return
+        self.planned_after_step = global_steps
+        self.floor_bytes = o.observed_peak
+        o.sample = False
+        if self.budget is None:
+            return  # no budget: everything stays offloaded
+        sites = [s for s in o.stats.values() if s.offloads > 0]
+        plan = plan_offload([s.nbytes for s in sites], self.budget - self.floor_bytes, 0.0)
+        o.plan = {s.key for s, off in zip(sites, plan.offloaded) if off}
+
+    def report(self) -> Dict[str, Any]:
+        o = self.offloader
+        bps = self.bytes_per_s() if o is not None and o.stats else None
+        tensors = o.report(bps) if o is not None else []
+        offloaded = sum(t["bytes"] for t in tensors if t["offloaded"])
+        return {
+            "free_activation": self.free,
+            "free_activation_threshold_bytes": self.free_threshold,
+            "offload_activation": self.offload,
+            "pin_memory": o.pin_memory if o is not None else None,
+            "budget": self.budget_name,
+            "budget_bytes": self.budget,
+            "planned_after_step": self.planned_after_step,
+            "floor_bytes": self.floor_bytes,
+            "h2d_bytes_per_s": bps,
+            "offloaded_bytes": offloaded,
+            "resident_bytes": sum(t["bytes"] for t in tensors if not t["offloaded"]),
+            "predicted_transfer_ms_per_step": 2e3 * offloaded / bps if bps else 0.0,
+            "tensors": tensors,
+        }
+
+    def close(self) -> None:
+        if self.offloader is not None and activation_ops.active() is self.offloader:
+            activation_ops.activate(None)
+        self.offloader = None
+
+
+def activation_memory(config: Any, device: torch.device) -> Optional[ActivationMemory]:
+    cc = config.compile
+    if not (cc.free_activation or cc.offload_activation):
+        return None
+    return ActivationMemory(cc, device)
