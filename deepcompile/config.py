@@ -604,9 +604,9 @@ class CompileConfig(_Section):
     offload_activation_pin_memory: bool = _key(_bool, True, "Pinned host buffers for offload_activation (CUDA).")
     offload_opt_states: bool = _key(_bool, False, "Keep the optimizer state (and ZeRO-1/2 fp32 master partitions) in "
                                     "pinned host memory as far as the memory budget requires; reloaded for the step.")
-    offload_parameters: bool = _key(_bool, False, "ZeRO-3 only: keep the parameter shards (the fp32 masters) in "
-                                    "pinned host memory between steps; gathers read them from there. Stages 1 and 2: "
-                                    "refused.")
+    offload_parameters: bool = _key(_bool, False, "ZeRO-3 only: the parameter shards (the fp32 masters) may live in "
+                                    "pinned host memory between steps, as far as the memory budget requires after the "
+                                    "optimizer state; gathers read them from there. Stages 1 and 2: refused.")
     symmetric_memory: bool = _key(_off_only("symmetric memory"), False, "Only false is accepted.")
     double_buffer: bool = _key(_bool, True, "Double-buffered gradient reduce buckets.")
     debug_log: bool = _key(_bool, False, "Rank-0 graph and timing logs.")

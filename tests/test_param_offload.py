@@ -375,6 +375,24 @@ def test_plan_forces_the_masters_out_and_counts_them():
     assert plan.offloaded == [False, True, False, True] and plan.resident_bytes == 13
 
 
+def test_planned_masters_go_after_the_optimizer_state():
+    from deepcompile.offload.plan import OffloadBudgetError, plan_offload
+
+    # compile.offload_parameters: masters (priority 1) are candidates, but the optimizer state
+    # (priority 0) goes first even where a master alone would cover what is missing.
+    sizes, prio = [8, 4, 4, 8], [1, 0, 0, 1]
+    plan = plan_offload(sizes, keep_limit=20, min_fraction=0.0, priority=prio)
+    assert plan.offloaded == [False, True, False, False]  # 4 over: one state tensor
+    plan = plan_offload(sizes, keep_limit=12, min_fraction=0.0, priority=prio)
+    assert plan.offloaded == [True, True, True, False]  # 12 over: both states, then a master
+    # Without a budget (CPU), every tensor of an enabled kind goes, and only those.
+    plan = plan_offload(sizes, keep_limit=None, min_fraction=0.0, eligible=[True, False, False, True])
+    assert plan.offloaded == [True, False, False, True]
+    # A budget that only a disabled kind could meet is an error, not a silent offload of it.
+    with pytest.raises(OffloadBudgetError, match="offload kind that is off"):
+        plan_offload(sizes, keep_limit=10, min_fraction=0.0, eligible=[True, False, False, False])
+
+
 # ---- GPU: parity and the device memory the masters no longer hold -------------------------------
 
 GPU_SIZES = dict(width=1024, depth=6, batch=64)

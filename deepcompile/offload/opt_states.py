@@ -287,16 +287,18 @@ class OptimizerStateOffload:
         # through the step as well.
         keep_limit = None if budget is None else budget - (max(peak_without, step_floor) if self.streams
                                                              else peak_without)
-        if keep_limit is None and not self.settings.offload_state:
-            keep_limit = sum(u.nbytes for u in ordered)  # parameter offload alone: only the masters go
-        # Parameter offload: every master shard lives on the host between steps.
-        forced = [self.settings.offload_masters and u.what == MASTER for u in ordered]
-        self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction, forced)
+        # Under ZeRO-3 a master unit is a parameter shard (parameter offload's kind); under
+        # ZeRO-1/2 a master partition is optimizer state like Adam's moments.
+        shard = [self.streams and u.what == MASTER for u in ordered]
+        eligible = [self.settings.offload_masters if p else self.settings.offload_state for p in shard]
+        forced = [p and self.settings.force_masters for p in shard]
+        self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction, forced,
+                                 eligible, priority=[int(p) for p in shard])
         self.planned_at_step = self.steps
         self._peak_at_plan = device_memory.peak_allocated(self.device)
         headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
         failure = None
-        for unit, out, master in zip(ordered, self.plan.offloaded, forced):
+        for unit, out, master in zip(ordered, self.plan.offloaded, shard):
             unit.planned_out = out
             unit.early = False
             # (An offloaded master is read by the backward's gathers from the host anyway.)

@@ -41,28 +41,42 @@ class OffloadPlan:
 
 
 def plan_offload(sizes: Sequence[int], keep_limit: Optional[int], min_fraction: float,
-                 forced: Optional[Sequence[bool]] = None) -> OffloadPlan:
+                 forced: Optional[Sequence[bool]] = None, eligible: Optional[Sequence[bool]] = None,
+                 priority: Optional[Sequence[int]] = None) -> OffloadPlan:
     """Choose the tensors to offload among ``sizes`` (bytes each).
 
-    ``keep_limit``: the most bytes that may stay resident (None: no budget, offload everything).
-    ``min_fraction``: the least fraction of the total bytes to offload whatever the budget
-    (``offload_optimizer.ratio``; 0 for ``compile.offload_opt_states`` alone).
-    ``forced``: tensors offloaded whatever the budget (parameter offload's master shards); their
-    bytes count towards what the budget requires.
+    ``keep_limit``: the most bytes that may stay resident (None: no budget, offload everything
+    eligible). ``min_fraction``: the least fraction of the eligible bytes to offload whatever the
+    budget (``offload_optimizer.ratio``; 0 for ``compile.offload_opt_states`` alone).
+    ``forced``: tensors offloaded whatever the budget (``offload_param``'s master shards); their
+    bytes count towards what the budget requires. ``eligible``: tensors of an offload kind that is
+    on (default: all). ``priority``: lower goes first (default: all equal): optimizer state, moved
+    once each way per step, before ZeRO-3 master shards, which every gather also reads.
     """
+    n = len(sizes)
+    forced = [bool(f) for f in forced] if forced is not None else [False] * n
+    eligible = [bool(e) or f for e, f in zip(eligible, forced)] if eligible is not None else [True] * n
+    priority = list(priority) if priority is not None else [0] * n
     total = sum(sizes)
+    movable = sum(size for size, e in zip(sizes, eligible) if e)
     if keep_limit is None:
-        required = total
+        required = movable
     else:
-        required = max(total - max(keep_limit, 0), math.ceil(min_fraction * total))
-    required = min(required, total)
-    offloaded = [bool(f) for f in forced] if forced is not None else [False] * len(sizes)
+        required = max(total - max(keep_limit, 0), math.ceil(min_fraction * movable))
+        if required > movable:
+            raise OffloadBudgetError(
+                f"offload: the memory budget leaves {max(keep_limit, 0)} bytes for offloadable tensors, but "
+                f"{total - movable} bytes of them belong to an offload kind that is off; turn it on "
+                "(compile.offload_opt_states / compile.offload_parameters) or raise the budget")
+    offloaded = list(forced)
     moved = sum(size for size, out in zip(sizes, offloaded) if out)
     # Stable orders: among equal sizes the given order (the reload order) decides.
-    largest_first = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    order = sorted(range(n), key=lambda i: (priority[i], -sizes[i]))
     while moved < required:
         missing = required - moved
-        left = [i for i in largest_first if not offloaded[i]]
+        left = [i for i in order if eligible[i] and not offloaded[i]]
+        first = priority[left[0]]
+        left = [i for i in left if priority[i] == first]  # a later class only once this one is out
         # The smallest tensor that alone completes the plan, else the largest (and go on).
         finishing = [i for i in left if sizes[i] >= missing]
         pick = min(finishing, key=lambda i: (sizes[i], i)) if finishing else left[0]

@@ -37,8 +37,11 @@ class OptStateOffloadSettings:
     pin_memory: bool
     budget_bytes: Optional[int]
     budget_name: str
-    # Parameter offload: every fp32 master unit (a ZeRO-3 shard) is on the host between steps.
+    # Parameter offload: the ZeRO-3 fp32 master shards are offload units, gathered from the host
+    # while there; with ``force_masters`` (zero_optimization.offload_param) every one of them goes,
+    # else (compile.offload_parameters) the budget decides, after the optimizer state.
     offload_masters: bool = False
+    force_masters: bool = False
     # Optimizer-state offload is on: with no budget, all offloadable state goes to the host.
     # Off (parameter offload alone): without a budget the optimizer's state stays on the device.
     offload_state: bool = True
@@ -74,4 +77,5 @@ def opt_state_offload_settings(config, device: torch.device) -> Optional[OptStat
     else:
         budget, name = None, "none (CPU device without compile.memory_budget_bytes)"
     return OptStateOffloadSettings(enabled_by, zero.ratio if zero is not None else 0.0, pin, budget, name,
-                                   offload_masters=bool(params_by), offload_state=by_compile or zero is not None)
+                                   offload_masters=bool(params_by), force_masters=param is not None,
+                                   offload_state=by_compile or zero is not None)
