@@ -476,7 +476,15 @@ def _gpu_memory_body(ctx, steps=3):
     losses_on, params_on, peak_on, report = _gpu_run(ctx, True, steps)
     assert losses_on == losses_off, (losses_on, losses_off)
     for k in params_off:
-        assert torch.equal(params_on[k], params_off[k]), k
+        if k.endswith("embed_tokens.weight"):
+            # Its gradient is a scatter-add of token rows, made of atomic adds on CUDA: their order,
+            # and so the last bits of a row used by several tokens, varies from run to run with or
+            # without offload (seen on the H100: losses bitwise, this tensor not). Offloading a
+            # wrong or stale activation would move the other weights and the losses; here 1e-6
+            # absolute is far below one Adam step (lr 1e-3) and far above atomics' reordering.
+            torch.testing.assert_close(params_on[k], params_off[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        else:
+            assert torch.equal(params_on[k], params_off[k]), k
     offloaded = report["offloaded_bytes"]
     saved = peak_off - peak_on
     print(f"GPU activation offload: peak {peak_off} -> {peak_on} bytes (saved {saved}); offloaded {offloaded} bytes "
