@@ -479,10 +479,14 @@ def _gpu_memory_body(ctx, steps=3):
         if k.endswith("embed_tokens.weight"):
             # Its gradient is a scatter-add of token rows, made of atomic adds on CUDA: their order,
             # and so the last bits of a row used by several tokens, varies from run to run with or
-            # without offload (seen on the H100: losses bitwise, this tensor not). Offloading a
-            # wrong or stale activation would move the other weights and the losses; here 1e-6
-            # absolute is far below one Adam step (lr 1e-3) and far above atomics' reordering.
-            torch.testing.assert_close(params_on[k], params_off[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+            # without offload (seen on the H100: losses bitwise, 1 of 32768 elements 1.9e-5 off).
+            # Adam divides by sqrt(v), so a last-bit difference of a near-zero gradient can move an
+            # element by up to lr per step; a few such elements are allowed, each by at most
+            # lr x steps. Offloading a wrong or stale activation would move whole rows, the other
+            # weights and the losses.
+            differ = params_on[k] != params_off[k]
+            assert int(differ.sum()) <= max(1, differ.numel() // 1000), (k, int(differ.sum()))
+            assert float((params_on[k] - params_off[k]).abs().max()) <= 1e-3 * steps, k
         else:
             assert torch.equal(params_on[k], params_off[k]), k
     offloaded = report["offloaded_bytes"]
