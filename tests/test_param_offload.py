@@ -463,3 +463,36 @@ def _gpu_body(ctx, steps: int, early: int):
 @pytest.mark.gpu
 def test_param_offload_gpu_parity_and_memory():
     run_distributed(_gpu_body, multiproc.single_world_size(), args=(30, 5), timeout=600)
+
+
+# ---- from the first forward ------------------------------------------------------------------
+
+
+def _from_start_body(ctx, key):
+    """The masters are on the host before the first forward (a model that only fits with them
+    there runs from its first step), and that first step trains exactly as without offload."""
+    import deepcompile
+    from deepcompile import runtime
+
+    base, engine = _train(ctx, "mlp", _config(None), "eager", 2)
+    engine.destroy()
+    torch._dynamo.reset()
+    model = build_model("mlp", device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(key))
+    trainable = [sp for sp in engine.sharding.params if sp.trainable]
+    assert trainable
+    for sp in trainable:
+        assert sp.shard.untyped_storage().nbytes() == 0, sp.name
+        assert runtime.host_shard(sp.ds_id) is not None, sp.name
+    engine.compile(backend="eager")
+    got = run_steps(engine, "mlp", 2, ctx.device)
+    engine.destroy()
+    assert got.losses == base.losses
+    for name, value in base.params.items():
+        assert torch.equal(got.params[name], value), name
+
+
+@cpu_only
+@pytest.mark.parametrize("key", sorted(ON))
+def test_masters_are_on_the_host_from_the_first_forward(key):
+    run_distributed(_from_start_body, 2, args=(key,))

@@ -109,6 +109,11 @@ class OptimizerStateOffload:
         self._provisional_failure: Optional[str] = None
         self._planned_keys: set = set()  # units the last plan covered
         self._peak_at_plan = 0
+        # The stage's shards, taken while all are on the device: the views stay valid (the same
+        # storages are emptied and refilled in place), and an emptied one could not be viewed again.
+        self._shards = list(sharding.shards())
+        if settings.offload_masters and self.streams:
+            self._offload_masters_at_start()
 
     # ---- units --------------------------------------------------------------------------------
 
@@ -118,7 +123,7 @@ class OptimizerStateOffload:
         found: Dict[int, OffloadUnit] = {}
         self._discovering = True
         try:
-            for shard in self.sharding.shards():
+            for shard in self._shards:
                 if only_ids is not None and shard.ds_id not in only_ids:
                     continue
                 known = self._units_of.get(shard.ds_id)
@@ -160,6 +165,31 @@ class OptimizerStateOffload:
             self._discovering = False
         return found
 
+    def _offload_masters_at_start(self) -> None:
+        """Parameter offload starts before the first forward: a model that fits only with its
+        masters on the host must run from its first step, before any measurement (as DeepSpeed
+        offloads activations before profiling). The plan made after the first step brings back
+        the masters it keeps resident. Collective: a host buffer that cannot be allocated on one
+        rank is raised on every rank."""
+        for unit in self._discover().values():
+            if unit.what != MASTER:
+                continue
+            self.units[unit.storage_key] = unit
+            for ds_id in unit.ds_ids:
+                self._units_of.setdefault(ds_id, []).append(unit)
+            if self._ensure_host(unit):
+                unit.planned_out = True  # provisional, like state created by a streamed step
+        failure, self._provisional_failure = self._provisional_failure, None
+        (failed,) = self._max_over_ranks([float(failure is not None)])
+        if failed:
+            raise host_memory.PinnedMemoryError(
+                "parameter offload (" + self.settings.enabled_by + ") could not allocate its host buffers"
+                + (f" on this rank ({failure})" if failure else " on another rank")
+                + "; free host memory" + (", or turn pin_memory off" if self.settings.pin_memory else ""))
+        for unit in self.units.values():
+            if unit.planned_out:
+                self._offload(unit)
+
     def _label(self, unit: OffloadUnit) -> str:
         names = [self.param_names.get(i, str(i)) for i in unit.ds_ids]
         of = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
@@ -183,7 +213,7 @@ class OptimizerStateOffload:
         if self.peak_without is None:
             # First step: measure before any state exists (see plan.py); under ZeRO-1/2 the
             # masters are already there, and resident.
-            resident = sum(u.nbytes for u in self._discover().values())
+            resident = sum(u.nbytes for u in self._discover().values() if not u.on_host)
             self.peak_without = max(0, device_memory.peak_allocated(self.device) - resident)
             # Memory the step needs besides the offloadable tensors (gradients, parameters...).
             self._other_at_step = max(0, device_memory.allocated(self.device) - resident)

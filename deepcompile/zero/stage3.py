@@ -125,6 +125,10 @@ class Zero3Sharding(Sharding):
             # tensor, unlike the master Parameter, so the view can be written in place.
             yield ParamShard(sp.name, sp.ds_id, sp.shape, sp.shard[: end - start], start, end)
 
+    def param_names(self) -> Dict[int, str]:
+        # Names only: no view of a shard, so an offloaded one need not come back for it.
+        return {sp.ds_id: sp.name for sp in self.params}
+
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
         self._state_on_device()
         sp = self.params[ds_id]
