@@ -474,7 +474,11 @@ def _gpu_memory_body(ctx, steps=3):
     """Parity on/off (bitwise), and the peak saved by offloading, against the bytes offloaded."""
     losses_off, params_off, peak_off, _ = _gpu_run(ctx, False, steps)
     losses_on, params_on, peak_on, report = _gpu_run(ctx, True, steps)
-    assert losses_on == losses_off, (losses_on, losses_off)
+    # The first step's loss is bitwise; later ones carry the embedding's run-to-run difference
+    # (below) into the forward: seen on the H100, step 3 off by 4.8e-7 of 4.9. 1e-6 relative is
+    # that last-bits noise; a wrong or stale activation moves a loss by far more.
+    assert losses_on[0] == losses_off[0], (losses_on, losses_off)
+    torch.testing.assert_close(torch.tensor(losses_on), torch.tensor(losses_off), rtol=1e-6, atol=0)
     for k in params_off:
         if k.endswith("embed_tokens.weight"):
             # Its gradient is a scatter-add of token rows, made of atomic adds on CUDA: their order,
