@@ -318,6 +318,28 @@ def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0, devi
     return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)})
 
 
+# DC_TEST_OFFLOAD: run a whole parity suite with offload kinds on ("opt_states", "params",
+# "activations", comma-separated, or "all"), each where it applies: parameter offload to ZeRO-3,
+# activation offload and free_activation to compiled engines.
+TEST_OFFLOAD_KINDS = ("opt_states", "params", "activations")
+
+
+def with_test_offload(config: dict, compiled: bool) -> dict:
+    wanted = os.environ.get("DC_TEST_OFFLOAD", "")
+    kinds = TEST_OFFLOAD_KINDS if wanted == "all" else tuple(k for k in wanted.split(",") if k)
+    unknown = set(kinds) - set(TEST_OFFLOAD_KINDS)
+    if unknown:
+        raise ValueError(f"DC_TEST_OFFLOAD: unknown kinds {sorted(unknown)}; known: {TEST_OFFLOAD_KINDS} or all")
+    extra = {}
+    if "opt_states" in kinds:
+        extra["offload_opt_states"] = True
+    if "params" in kinds and config.get("zero_optimization", {}).get("stage") == 3:
+        extra["offload_parameters"] = True
+    if "activations" in kinds and compiled:
+        extra.update(offload_activation=True, free_activation=True)
+    return {**config, "compile": {**config.get("compile", {}), **extra}} if extra else config
+
+
 def train_engine(
     name: str,
     steps: int,
@@ -335,6 +357,7 @@ def train_engine(
     model = build_model(name, dtype=dtype, device=device)
     if os.environ.get("DC_DEBUG_CHECKS") == "1":  # run a whole suite with compile.debug_checks on
         config = {**config, "compile": {**config.get("compile", {}), "debug_checks": True}}
+    config = with_test_offload(config, compiled=backend is not None or use_torch_compile_api)
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
     if use_torch_compile_api:
         compiled = torch.compile(engine.module, backend="deepcompile", options={"inner": backend})
