@@ -104,7 +104,8 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   // The stream of a runtime lane as (stream_id, device_index, device_type): what torch.cuda.Stream
   // wraps, so that Python's offload copies run on the lanes the gathers order themselves against.
-  m.def("lane_stream", [](const std::string& name) {
+  // The return type is spelled out: newer pybind11 types make_tuple's result (typing::Tuple).
+  m.def("lane_stream", [](const std::string& name) -> py::tuple {
     Runtime& rt = currentRuntime();
     for (int i = 0; i < kNumLanes; ++i) {
       const Lane lane = static_cast<Lane>(i);
