@@ -13,7 +13,8 @@
 #   table-z3-all  PCIe + z3-offload-all (all offload kinds; "unavailable" while the config refuses one)
 #   table-fsdp2   PCIe + fsdp2-offload (init on the host, ~108 GB pinned)       (~4 min)
 #   table         all four rows in one table (one call only if it fits: ~8-10 min)
-#   largest-z3    largest layer count that trains, deepcompile z3-offload-budget (LARGEST_Z3_LAYERS)
+#   largest-z3    largest layer count that trains, deepcompile LARGEST_Z3_SYSTEM (default z3-offload-budget;
+#                 z3-offload-all for parameter offload too) at LARGEST_Z3_LAYERS
 #   largest-fsdp2-offload   the same for FSDP2 + CPU offload          (LARGEST_FSDP2_OFFLOAD_LAYERS)
 #   largest-nooffload       the same for FSDP2 and deepcompile ZeRO-3 without offload (LARGEST_NOOFFLOAD_LAYERS)
 # The tables of separate calls are merged afterwards, anywhere (no GPU):
@@ -57,7 +58,7 @@ for phase in "$@"; do
     table-z3-all) table table-z3-all z3-offload-all ;;
     table-fsdp2) table table-fsdp2 fsdp2-offload ;;
     table) table table fsdp2-offload,z3-offload-budget,z3-offload,z3-offload-all ;;
-    largest-z3) largest largest-z3 z3-offload-budget "${LARGEST_Z3_LAYERS:-32,40,48,56,64}" ;;
+    largest-z3) largest largest-z3 "${LARGEST_Z3_SYSTEM:-z3-offload-budget}" "${LARGEST_Z3_LAYERS:-32,40,48,56,64}" ;;
     largest-fsdp2-offload) largest largest-fsdp2-offload fsdp2-offload "${LARGEST_FSDP2_OFFLOAD_LAYERS:-32,36,40}" ;;
     largest-nooffload) largest largest-nooffload fsdp2,z3 "${LARGEST_NOOFFLOAD_LAYERS:-16,20,24}" ;;
     *) echo "unknown phase $phase"; rc=2 ;;

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -472,27 +474,23 @@ def _gpu_run(ctx, offload: bool, steps: int):
 
 def _gpu_memory_body(ctx, steps=3):
     """Parity on/off (bitwise), and the peak saved by offloading, against the bytes offloaded."""
-    losses_off, params_off, peak_off, _ = _gpu_run(ctx, False, steps)
-    losses_on, params_on, peak_on, report = _gpu_run(ctx, True, steps)
-    # The first step's loss is bitwise; later ones carry the embedding's run-to-run difference
-    # (below) into the forward: seen on the H100, step 3 off by 4.8e-7 of 4.9. 1e-6 relative is
-    # that last-bits noise; a wrong or stale activation moves a loss by far more.
-    assert losses_on[0] == losses_off[0], (losses_on, losses_off)
-    torch.testing.assert_close(torch.tensor(losses_on), torch.tensor(losses_off), rtol=1e-6, atol=0)
+    # The embedding's gradient is a scatter-add of token rows; Inductor and aten make it of atomic
+    # adds on CUDA, whose order (and so the last bits of a row several tokens share) varies from
+    # run to run. On the H100 that made one element differ after the first step, and from the
+    # second step on every weight and loss carried it (22315 of 32768 embedding elements, losses
+    # 4.8e-7 apart). Deterministic algorithms (a sorted accumulation instead of atomics) make the
+    # two runs comparable bitwise, which is the claim: offloading moves bytes, not values.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        losses_off, params_off, peak_off, _ = _gpu_run(ctx, False, steps)
+        losses_on, params_on, peak_on, report = _gpu_run(ctx, True, steps)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert losses_on == losses_off, (losses_on, losses_off)
     for k in params_off:
-        if k.endswith("embed_tokens.weight"):
-            # Its gradient is a scatter-add of token rows, made of atomic adds on CUDA: their order,
-            # and so the last bits of a row used by several tokens, varies from run to run with or
-            # without offload (seen on the H100: losses bitwise, 1 of 32768 elements 1.9e-5 off).
-            # Adam divides by sqrt(v), so a last-bit difference of a near-zero gradient can move an
-            # element by up to lr per step; a few such elements are allowed, each by at most
-            # lr x steps. Offloading a wrong or stale activation would move whole rows, the other
-            # weights and the losses.
-            differ = params_on[k] != params_off[k]
-            assert int(differ.sum()) <= max(1, differ.numel() // 1000), (k, int(differ.sum()))
-            assert float((params_on[k] - params_off[k]).abs().max()) <= 1e-3 * steps, k
-        else:
-            assert torch.equal(params_on[k], params_off[k]), k
+        assert torch.equal(params_on[k], params_off[k]), k
     offloaded = report["offloaded_bytes"]
     saved = peak_off - peak_on
     print(f"GPU activation offload: peak {peak_off} -> {peak_on} bytes (saved {saved}); offloaded {offloaded} bytes "
