@@ -4,12 +4,9 @@
 # 2 -> 3 rank reload needs 3 (skipped, with the reason, on fewer). Also checks the DCP API on the
 # machine's torch (2.11). Logs and a JUnit report go to $OUT (or ./gpu-logs).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/gpu_prelude.sh"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee "$OUT/env.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpu_build
 DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -q -rs \
   tests/test_checkpoint.py tests/test_sharding_interface.py --junitxml="$OUT/junit.xml" 2>&1 \
   | tee "$OUT/pytest.log" | tail -40

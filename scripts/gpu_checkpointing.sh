@@ -7,10 +7,7 @@
 #
 #   OUT=... bash scripts/gpu_checkpointing.sh            # CKPT_STAGES=3 for ZeRO-3 only
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 
@@ -20,7 +17,7 @@ elapsed() { echo $(( $(date +%s) - start )); }
   echo "source digest $(bash scripts/source_digest.sh)"
 } 2>&1 | tee "$OUT/env.txt"
 
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpu_build
 echo "built at $(elapsed) s"
 
 timeout "${BENCH_TIMEOUT:-420}" torchrun --standalone --nproc-per-node 1 bench/checkpointing_memory.py \

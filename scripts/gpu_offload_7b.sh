@@ -22,16 +22,13 @@
 # largest-*: bisects the layer list (LARGEST_SEARCH=linear: in order), LARGEST_TIMEOUT s per try.
 # Extra train_bench options for the table phases: TABLE_OPTS (e.g. "--offload-passes prefetch --warmup 3").
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/gpu_prelude.sh"
 [ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }
 
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 free -g | tee -a "$OUT/env.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpu_build
 echo "build: $((SECONDS - start)) s"
 
 # 2 warm-up steps (the first compiles) + 3 timed + 1 traced; one process per row (the 7b preset).

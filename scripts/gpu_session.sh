@@ -5,10 +5,8 @@
 # $BENCH_NPROC GPUs, default 2), and the compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
 # a part that runs long costs only its own results.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-32}
+MAX_JOBS=${MAX_JOBS:-32}
+source "$(dirname "$0")/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 
@@ -21,7 +19,7 @@ elapsed() { echo $(( $(date +%s) - start )); }
   echo "source digest $(bash scripts/source_digest.sh)"
 } 2>&1 | tee "$OUT/env.txt"
 
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpu_build
 echo "built at $(elapsed) s"
 
 if [ "${GPU_TESTS:-tests}" != none ]; then

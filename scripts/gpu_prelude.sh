@@ -1,0 +1,13 @@
+# Sourced by the scripts/gpu_*.sh runs (not run on its own): the repository root as working
+# directory, $OUT for logs, the GPU machine's system compilers (its default g++ builds an extension
+# that crashes: NOTES.md "GPU machine toolchain") and `gpu_build`, the incremental build of the
+# extension into the installed package.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+
+gpu_build() {  # build log in $OUT/build.log; on failure its tail, and the calling script exits
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+}
