@@ -62,7 +62,7 @@ if nccl is not None:
     inc, lib, name = nccl
     extension = CUDAExtension(
         "deepcompile._C",
-        core_sources + ["csrc/comm/nccl.cpp"],
+        core_sources + ["csrc/comm/nccl.cpp", "csrc/cuda/pinned_host.cpp"],
         include_dirs=include_dirs + [inc],
         library_dirs=[lib],
         extra_link_args=[f"-l:{name}", f"-Wl,-rpath,{lib}"],

@@ -1,5 +1,6 @@
 // pybind11 control API of deepcompile._C: runtime lifetime, parameter and graph registration,
 // step hooks, profiling switches and introspection for tests. deepcompile/runtime.py wraps it.
+#include <deepcompile/pinned_host.h>
 #include <deepcompile/runtime.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -75,6 +76,20 @@ at::Tensor registeredData(int64_t id) {
   return p.z12().param;
 }
 
+// An exact-size page-locked host buffer (uint8), freed with its storage (deepcompile/pinned_host.h).
+at::Tensor pinnedHostBuffer(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "deepcompile: pinned_host_buffer: negative size ", nbytes);
+#ifdef DC_WITH_NCCL
+  if (nbytes == 0) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  std::string error;
+  void* ptr = allocPinnedHost(static_cast<std::size_t>(nbytes), &error);
+  TORCH_CHECK(ptr != nullptr, "deepcompile: could not pin ", nbytes, " bytes of host memory: ", error);
+  return at::from_blob(ptr, {nbytes}, [](void* p) { freePinnedHost(p); }, at::TensorOptions().dtype(at::kByte));
+#else
+  TORCH_CHECK(false, "deepcompile was built without CUDA: pinned host memory is unavailable");
+#endif
+}
+
 }  // namespace
 
 // Control calls that may wait on collectives or the device release the GIL: a gloo worker or
@@ -105,6 +120,8 @@ PYBIND11_MODULE(_C, m) {
   // The stream of a runtime lane as (stream_id, device_index, device_type): what torch.cuda.Stream
   // wraps, so that Python's offload copies run on the lanes the gathers order themselves against.
   // The return type is spelled out: newer pybind11 types make_tuple's result (typing::Tuple).
+  m.def("pinned_host_buffer", &pinnedHostBuffer, "An exact-size page-locked host buffer (uint8)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("lane_stream", [](const std::string& name) -> py::tuple {
     Runtime& rt = currentRuntime();
     for (int i = 0; i < kNumLanes; ++i) {
