@@ -438,7 +438,9 @@ def _gpu_body(ctx, steps: int, early: int):
                 assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays
                 assert all(runtime.registered_shard(i).untyped_storage().nbytes() == 0
                            for u in masters for i in u.ds_ids)
-                assert all(runtime.host_shard(i).is_pinned() for u in masters for i in u.ds_ids)
+                # Views of the units' own (exact-size, page-locked) host buffers.
+                assert all(runtime.host_shard(i).untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
+                           for u in masters for i in u.ds_ids)
                 readings["master_bytes"] = sum(u.nbytes for u in masters)
                 # Bring the masters back: the allocator holds exactly their blocks more.
                 off.materialize()
