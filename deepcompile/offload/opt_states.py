@@ -334,8 +334,10 @@ class OptimizerStateOffload:
             if i in self._units_of:
                 self._units_of[i] = [u for u in self._units_of[i] if u.storage_key not in old]
         for key, unit in self._discover(ids).items():
-            if key in self.units:
-                continue  # a master: written in place, never replaced
+            if key in self.units or unit.what == MASTER:
+                # Masters are written in place, never replaced (and one not yet known is left to the
+                # next step's plan: views of it are held by the caller).
+                continue
             self.units[key] = unit
             for ds_id in unit.ds_ids:
                 self._units_of.setdefault(ds_id, []).append(unit)
