@@ -27,6 +27,12 @@ A step (``Engine``):
   the offload lane, ordered after the step, and its device storage is freed at once (the allocator
   is told the offload lane still reads it), so the copy overlaps the next forward.
 
+Between steps the state is read and written where it is (``Sharding.state_access`` is this
+object): ``locate`` hands the stage a view of an offloaded unit's host buffer once no copy into or
+out of it is in flight, so checkpoints, full state dicts and weight export or loading never bring
+units back; ``state_replaced`` takes over fresh state (``reset_optimizer_state``: checkpoint
+loading) and sends it to the host one unit at a time where its predecessor was offloaded.
+
 Torch optimizers create their state at their first step: the first plan is made right after it,
 from that step's measurements, and state first created later (a parameter whose first gradient
 came later) is planned at the step that creates it. Before the first step nothing is offloaded.
