@@ -327,8 +327,8 @@ class OptimizerStateOffload:
         """See ``StateAccess``. The fresh state of a parameter whose previous state was planned
         out takes its place in the plan (and its host buffer) and goes to the host now; state
         that had no predecessor is offloaded provisionally, as state created by a streamed step,
-        until the plan after the next step decides. Either way at most one fresh unit is on the
-        device beyond what the plan keeps resident."""
+        until the plan after the next step decides. Either way the fresh state of ``ds_ids`` is
+        the only fresh state on the device beyond what the plan keeps resident."""
         ids = set(ds_ids)
         old = {u.storage_key: u for i in ids for u in self._units_of.get(i, ()) if u.what != MASTER}
         previous = {}

@@ -197,8 +197,9 @@ class StateAccess(Protocol):
 
     def state_replaced(self, ds_ids: List[int]) -> None:
         """The optimizer state of these parameters was just replaced by fresh tensors (on the
-        device): take them over, offloading those whose predecessors were offloaded, one at a
-        time, so replacing all state never holds more than one fresh tensor on the device."""
+        device): take them over, offloading those whose predecessors were offloaded before the
+        stage allocates the next parameter's (ZeRO-1/2: param group's), so replacing all state
+        holds at most one parameter's (group's) fresh state on the device at a time."""
 
 
 def optimizer_state_piece(state: Dict[str, Any], master: torch.Tensor, where: slice,
