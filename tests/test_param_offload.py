@@ -188,12 +188,14 @@ def _state_access_body(ctx):
 
     _, engine = _train(ctx, "mlp", _config("offload_param"), "eager", 3)
     assert engine.offload.offloaded_units(), "nothing offloaded between steps"
-    # Reading sharded state (checkpoints, weight export) between steps brings the masters back to
-    # the device, and the gathers back to the device shards.
+    away = engine.offload.offloaded_units()
+    # Reading sharded state (checkpoints, weight export) between steps reads the masters' host
+    # copies, which the gathers keep reading from: nothing comes back to the device.
     for s in engine.sharding.shards():
         assert torch.equal(s.local, base_shards[s.ds_id]), s.name
-        assert runtime.host_shard(s.ds_id) is None, s.name
-    assert not engine.offload.offloaded_units()
+        host = runtime.host_shard(s.ds_id)
+        assert host is not None and s.local.untyped_storage().data_ptr() == host.untyped_storage().data_ptr(), s.name
+    assert engine.offload.offloaded_units() == away
     # Training on continues identically, and the next step offloads again.
     one_more_step(engine)
     assert engine.offload.offloaded_units()
@@ -201,11 +203,13 @@ def _state_access_body(ctx):
     offloaded_state = engine.full_state_dict(all_ranks=True)
     for key, value in base_state.items():
         assert torch.equal(offloaded_state[key], value), key
-    # Rank-0 state dicts read the shards (gather_full.py), which brings them back first.
+    # Rank-0 state dicts read the shards (gather_full.py) from the host copies, one at a time.
+    away = engine.offload.offloaded_units()
     rank0 = engine.full_state_dict()
     if rank == 0:
         for key, value in base_state.items():
             assert torch.equal(rank0[key], value), key
+    assert engine.offload.offloaded_units() == away
     engine.destroy()
 
 

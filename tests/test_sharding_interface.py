@@ -217,3 +217,84 @@ def _reset_optimizer_state_body(ctx, stage, name):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_reset_optimizer_state_gives_fresh_views_that_the_next_step_uses(stage):
     run_distributed(_reset_optimizer_state_body, world_size=WORLD, args=(stage, "mlp"))
+
+
+class _CopyAccess:
+    """A ``StateAccess`` (zero/sharding.py) keeping its own copy of chosen storages, as offload
+    keeps host copies: what the stage hands out must be views of the copy, never of the original."""
+
+    def __init__(self):
+        from deepcompile import compat
+
+        self.storage_id = compat.storage_id
+        self.copies = {}
+        self.replaced = []
+
+    def keep(self, t):
+        self.copies[self.storage_id(t)] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8).copy_(
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu())
+
+    def locate(self, t):
+        copy = self.copies.get(self.storage_id(t))
+        return t if copy is None else copy.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def state_replaced(self, ds_ids):
+        self.replaced.append(sorted(ds_ids))
+
+
+def _state_access_body(ctx, stage):
+    import deepcompile
+
+    torch._dynamo.reset()
+    model = build_model("mlp", device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), {"zero_optimization": {"stage": stage}})
+    sharding = engine.sharding
+    _train_one_step(engine, "mlp", ctx)
+    shards = list(sharding.shards())
+    access = _CopyAccess()
+    for s in shards:
+        if s.local.numel():
+            access.keep(s.local)
+            for value in sharding.shard_optimizer_state(s.ds_id).values():
+                if value.dim() > 0:
+                    access.keep(value)
+    sharding.state_access = access
+    try:
+        copies = {p.untyped_storage().data_ptr() for p in access.copies.values()}
+        for s, before in zip(sharding.shards(), shards):
+            assert torch.equal(s.local, before.local), s.name
+            if s.local.numel():
+                assert s.local.untyped_storage().data_ptr() in copies, s.name
+            for key, value in sharding.shard_optimizer_state(s.ds_id).items():
+                if value.dim() > 0 and value.numel():
+                    assert value.untyped_storage().data_ptr() in copies, (s.name, key)
+        # Values written into the copy are what the model computes with after the sync (ZeRO-1/2
+        # gather the masters from it; ZeRO-3 gathers from the registered shard, which the copy
+        # stands for only under offload, so only ZeRO-1/2's module is checked here).
+        for s in sharding.shards():
+            s.local.fill_(0.5)
+        sharding.sync_params_from_shards()
+        if stage != 3:
+            for s in shards:
+                assert bool((model.get_parameter(s.name) == 0.5).all()), s.name
+        else:
+            # full_params reads the shards through the access too: rank 0 gets the written values.
+            for s, full in sharding.full_params():
+                if full is not None:
+                    assert bool((full == 0.5).all()), s.name
+        # Fresh optimizer state is announced: per parameter on ZeRO-3, per param group on ZeRO-1/2.
+        held = [s.ds_id for s in shards if sharding.shard_optimizer_state(s.ds_id)]
+        sharding.reset_optimizer_state({ds_id: {"exp_avg": None} for ds_id in held})
+        announced = sorted(i for ids in access.replaced for i in ids)
+        if stage == 3:
+            assert access.replaced == [[i] for i in held], access.replaced
+        else:
+            assert announced == sorted(i for g in sharding.groups for i in g.ds_ids), access.replaced
+    finally:
+        sharding.state_access = None
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_access_is_where_stages_read_and_write_sharded_state(stage):
+    run_distributed(_state_access_body, world_size=WORLD, args=(stage,))

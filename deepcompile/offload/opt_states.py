@@ -27,6 +27,12 @@ A step (``Engine``):
   the offload lane, ordered after the step, and its device storage is freed at once (the allocator
   is told the offload lane still reads it), so the copy overlaps the next forward.
 
+Between steps the state is read and written where it is (``Sharding.state_access`` is this
+object): ``locate`` hands the stage a view of an offloaded unit's host buffer once no copy into or
+out of it is in flight, so checkpoints, full state dicts and weight export or loading never bring
+units back; ``state_replaced`` takes over fresh state (``reset_optimizer_state``: checkpoint
+loading) and sends it to the host one unit at a time where its predecessor was offloaded.
+
 Torch optimizers create their state at their first step: the first plan is made right after it,
 from that step's measurements, and state first created later (a parameter whose first gradient
 came later) is planned at the step that creates it. Before the first step nothing is offloaded.
@@ -99,7 +105,11 @@ class OptimizerStateOffload:
         self._other_at_step = 0
         self._stepped_ids: set = set()
         self._new_ids = True  # the first step plans
-        sharding.before_state_access = self.materialize
+        # State storages replaced since the last step (reset_optimizer_state: checkpoint loading):
+        # the next streamed step discovers its sub-groups' units again.
+        self._replaced = False
+        self._unplanned = False  # units taken over by state_replaced without a place in the plan
+        sharding.state_access = self  # shards() etc. read offloaded units in their host copies
         # ZeRO-3 steps in sub-groups and lets the step stream through these hooks.
         self.streams = getattr(sharding, "stage", None) == 3
         if self.streams:
@@ -121,21 +131,13 @@ class OptimizerStateOffload:
         """The device storages that may move, by storage key (existing units kept); ``only_ids``:
         only those holding the state of these parameters."""
         found: Dict[int, OffloadUnit] = {}
+        # An offloaded unit's device storage is empty and cannot be viewed: the stage hands out
+        # views of its host copy (``locate``), recognised here by the host buffer.
+        by_host = {compat.storage_id(u.host): u for u in self.units.values() if u.on_host}
         self._discovering = True
         try:
             for shard in self._shards:
                 if only_ids is not None and shard.ds_id not in only_ids:
-                    continue
-                known = self._units_of.get(shard.ds_id)
-                if known and any(u.on_host for u in known):
-                    # Written back by a streamed step (their device storage is empty, so no view
-                    # of them can be taken); state is only replaced through materialize(), which
-                    # brings them back first.
-                    for unit in known:
-                        if unit.storage_key not in found:
-                            unit.ds_ids = []
-                            found[unit.storage_key] = unit
-                        unit.ds_ids.append(shard.ds_id)
                     continue
                 n = shard.local.numel()
                 if n == 0:
@@ -149,14 +151,17 @@ class OptimizerStateOffload:
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == n:
                         tensors.append((key, value))
                 for what, t in tensors:
-                    if t.device != self.device:
-                        continue
-                    key = compat.storage_id(t)
-                    unit = found.get(key) or self.units.get(key)
+                    unit = by_host.get(compat.storage_id(t))
+                    if unit is None:
+                        if t.device != self.device:
+                            continue
+                        key = compat.storage_id(t)
+                        unit = found.get(key) or self.units.get(key)
                     if unit is None:
                         storage = t.untyped_storage()
                         view = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
                         unit = OffloadUnit(key, what, [], view, storage.nbytes())
+                    key = unit.storage_key
                     if key not in found:
                         unit.ds_ids = []
                         found[key] = unit
@@ -245,7 +250,11 @@ class OptimizerStateOffload:
         """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
         just created: all of it, until the plan after this step says what stays)."""
         ids = groups[index]
-        fresh = [u for u in self._discover(set(ids)).values() if u.storage_key not in self.units]
+        # Only a step that creates state (parameters stepped for the first time) or follows a
+        # replacement of it has units to find; views of every parameter's state at every step
+        # cost milliseconds per 7B step on the host.
+        discover = self._new_ids or self._replaced
+        fresh = [u for u in self._discover(set(ids)).values() if u.storage_key not in self.units] if discover else []
         for unit in fresh:
             self.units[unit.storage_key] = unit
             for ds_id in unit.ds_ids:
@@ -263,10 +272,11 @@ class OptimizerStateOffload:
         """Write back what the plan offloads; the next forward overlaps the copies."""
         self.steps += 1
         found = self._discover()
+        unplanned, self._unplanned, self._replaced = self._unplanned, False, False
         if self._new_ids:
             self._replan(found, collective=True)
             self._new_ids = False
-        elif found.keys() != self.units.keys():
+        elif unplanned or found.keys() != self.units.keys():
             # Storages replaced outside a step (e.g. the optimizer's state loaded from a checkpoint).
             self._replan(found, collective=False)
         for unit in self.units.values():
@@ -285,6 +295,71 @@ class OptimizerStateOffload:
             self.lanes.wait(unit.reloading)
             unit.reloading = None
             self._hand_gathers(unit, to_host=False)
+
+    # ---- reading and writing state between steps (Sharding.state_access) -----------------------
+
+    def locate(self, t: torch.Tensor) -> torch.Tensor:
+        """See ``zero/sharding.py``'s ``StateAccess``: an offloaded unit is read and written in
+        its host buffer (checkpoints, weight export and loading), never brought back for it."""
+        unit = self.units.get(compat.storage_id(t))
+        if unit is None:
+            return t
+        if not self._discovering:  # (discovery only takes views: no copy needs to be complete)
+            self._settle(unit)
+        if not unit.on_host:
+            return t
+        return unit.host.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def _settle(self, unit: OffloadUnit) -> None:
+        """No copy into or out of ``unit``'s host buffer is in flight: its offload is complete
+        (a reader would see half-written bytes, a writer would be overwritten by the copy), and a
+        reload of it is complete and its gathers point back at the device shard (a write to the
+        device copy must be what the next gather reads). Host synchronisation: outside a step."""
+        if unit.written is not None:
+            unit.written.synchronize()
+            unit.written = None
+        if unit.reloading is not None:
+            unit.reloading.synchronize()
+            unit.reloading = None
+            self._hand_gathers(unit, to_host=False)
+
+    def state_replaced(self, ds_ids: List[int]) -> None:
+        """See ``StateAccess``. The fresh state of a parameter whose previous state was planned
+        out takes its place in the plan (and its host buffer) and goes to the host now; state
+        that had no predecessor is offloaded provisionally, as state created by a streamed step,
+        until the plan after the next step decides. Either way the fresh state of ``ds_ids`` is
+        the only fresh state on the device beyond what the plan keeps resident."""
+        ids = set(ds_ids)
+        old = {u.storage_key: u for i in ids for u in self._units_of.get(i, ()) if u.what != MASTER}
+        previous = {}
+        for unit in old.values():
+            self._settle(unit)  # its host buffer may be handed on
+            self.units.pop(unit.storage_key, None)
+            previous[(unit.what, tuple(sorted(unit.ds_ids)))] = unit
+        for i in ids:
+            if i in self._units_of:
+                self._units_of[i] = [u for u in self._units_of[i] if u.storage_key not in old]
+        for key, unit in self._discover(ids).items():
+            if key in self.units or unit.what == MASTER:
+                # Masters are written in place, never replaced (and one not yet known is left to the
+                # next step's plan: views of it are held by the caller).
+                continue
+            self.units[key] = unit
+            for ds_id in unit.ds_ids:
+                self._units_of.setdefault(ds_id, []).append(unit)
+            prev = previous.get((unit.what, tuple(sorted(unit.ds_ids))))
+            if prev is not None and prev.nbytes == unit.nbytes:
+                unit.host, unit.planned_out, unit.early = prev.host, prev.planned_out, prev.early
+                if prev.storage_key in self._planned_keys:
+                    self._planned_keys.discard(prev.storage_key)
+                    self._planned_keys.add(key)
+            else:
+                unit.planned_out = self.settings.offload_state and self._ensure_host(unit)
+                self._unplanned = True  # not in the plan: the next step's plan takes it in
+            if unit.planned_out:
+                self._offload(unit)
+                self._settle(unit)  # its device memory is free before the next fresh state
+        self._replaced = self._replaced or bool(old)
 
     # ---- planning -----------------------------------------------------------------------------
 
@@ -469,8 +544,8 @@ class OptimizerStateOffload:
         else:
             self.materialize()
         self.lanes.synchronize()
-        if self.sharding.before_state_access == self.materialize:
-            self.sharding.before_state_access = None
+        if self.sharding.state_access is self:
+            self.sharding.state_access = None
         for unit in self.units.values():
             unit.host = None
         self.units = {}

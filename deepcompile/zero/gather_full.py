@@ -20,10 +20,12 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard], torch.dtype],
-                   group: Optional[dist.ProcessGroup], dst: int = 0
+                   group: Optional[dist.ProcessGroup], dst: int = 0, device: Optional[torch.device] = None
                    ) -> Iterator[Tuple[ParamShard, Optional[torch.Tensor]]]:
     """Every shard's full parameter in ``dtype_of(shard)`` on group rank ``dst`` (None on the
-    others), in ``shards`` order. Collective: every rank must exhaust the iterator."""
+    others), in ``shards`` order. ``device``: where the pieces travel from (default: each
+    shard's own); a piece offload keeps in host memory is copied there one parameter at a time.
+    Collective: every rank must exhaust the iterator."""
     shards = list(shards)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges = [None] * world
@@ -31,25 +33,25 @@ def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard]
     dst_global = dist.get_global_rank(group, dst) if group is not None else dst
     for i, shard in enumerate(shards):
         dtype = dtype_of(shard)
-        device = shard.local.device
+        at = torch.device(device) if device is not None else shard.local.device
         # gloo cannot gather every half type on every torch version; fp32 carries them exactly.
-        comm_dtype = torch.float32 if device.type == "cpu" and dtype in _HALF else dtype
+        comm_dtype = torch.float32 if at.type == "cpu" and dtype in _HALF else dtype
         spans = [r[i] for r in ranges]
         width = max(max(end - start for start, end in spans), 1)
-        piece = torch.zeros(width, dtype=comm_dtype, device=device)
+        piece = torch.zeros(width, dtype=comm_dtype, device=at)
         piece[: shard.end - shard.start] = shard.local
         if rank != dst:
             dist.gather(piece, None, dst=dst_global, group=group)
             del piece
             yield shard, None
             continue
-        staged = torch.empty(world, width, dtype=comm_dtype, device=device)
+        staged = torch.empty(world, width, dtype=comm_dtype, device=at)
         dist.gather(piece, list(staged.unbind(0)), dst=dst_global, group=group)
         del piece
         if all(start == r * width for r, (start, _) in enumerate(spans)):
             flat = staged.view(-1)[: shard.numel]  # ZeRO-3: rank r holds [r * width, (r + 1) * width)
         else:
-            flat = torch.empty(shard.numel, dtype=comm_dtype, device=device)
+            flat = torch.empty(shard.numel, dtype=comm_dtype, device=at)
             for r, (start, end) in enumerate(spans):
                 flat[start:end] = staged[r, : end - start]
         full = flat.view(shard.shape).to(dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -63,18 +63,26 @@ class Sharding(abc.ABC):
     # offload (ZeRO-3 sets this when parameter offload is on; the runtime then gathers them from
     # their host copies).
     masters_offloadable: bool = False
-    # Set by optimizer-state offload (deepcompile/offload/): called before sharded state is handed
-    # out (``shards``, ``shard_optimizer_state``, ``sync_params_from_shards``) so that it is on the
-    # device, not in a freed device copy.
-    before_state_access: Optional[Callable[[], None]] = None
+    # Set by optimizer-state offload (deepcompile/offload/): where each storage's values are while
+    # it may be on the host (``StateAccess``). ``shards``, ``shard_optimizer_state`` and
+    # ``sync_params_from_shards`` read and write through it, so an offloaded master or moment is
+    # read or written in its host copy, never brought back for that.
+    state_access: Optional["StateAccess"] = None
 
     # Set by optimizer-state offload under ZeRO-3, which steps in sub-groups (zero/sub_groups.py):
     # called around each sub-group of the optimizer step, to stream the state through the device.
     sub_group_hooks: Optional[Any] = None
 
-    def _state_on_device(self) -> None:
-        if self.before_state_access is not None:
-            self.before_state_access()
+    def _located(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a whole master or optimizer state tensor), or the host tensor holding its values
+        while offload keeps it there; views are taken of the result."""
+        return t if self.state_access is None else self.state_access.locate(t)
+
+    def _state_replaced(self, ds_ids: List[int]) -> None:
+        """``reset_optimizer_state`` replaced the optimizer state of ``ds_ids``: offload adopts the
+        fresh storages (moving them to the host at once where it keeps that state there)."""
+        if self.state_access is not None:
+            self.state_access.state_replaced(ds_ids)
     unset_params: Sequence[str] = ()
 
     # ---- the training loop ----------------------------------------------------------------
@@ -168,20 +176,40 @@ class Sharding(abc.ABC):
         ``module`` and ``group``; one whose parameters are replicated can skip the gathers."""
         from deepcompile.zero.gather_full import gather_to_rank
 
-        return gather_to_rank(self.shards(), lambda s: self.module.get_parameter(s.name).dtype, self.group)
+        # Pieces read from an offloaded host copy are sent from the stage's device.
+        return gather_to_rank(self.shards(), lambda s: self.module.get_parameter(s.name).dtype, self.group,
+                              device=getattr(self, "device", None))
 
     def param_names(self) -> Dict[int, str]:
         """ds id -> name of every partitioned parameter."""
         return {s.ds_id: s.name for s in self.shards()}
 
 
-def optimizer_state_piece(state: Dict[str, Any], master: torch.Tensor, where: slice) -> Dict[str, Any]:
+class StateAccess(Protocol):
+    """What a stage reads and writes its sharded state through while part of it may live on the
+    host (optimizer-state and parameter offload, offload/opt_states.py)."""
+
+    def locate(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor holding ``t``'s values now: ``t`` itself while its storage is on the device,
+        else a host tensor of the same dtype, shape, strides and offset over its host copy. No
+        copy into or out of that copy is pending when it returns, so it can be read, and written
+        in place (the write is what the next reload or gather sees)."""
+
+    def state_replaced(self, ds_ids: List[int]) -> None:
+        """The optimizer state of these parameters was just replaced by fresh tensors (on the
+        device): take them over, offloading those whose predecessors were offloaded before the
+        stage allocates the next parameter's (ZeRO-1/2: param group's), so replacing all state
+        holds at most one parameter's (group's) fresh state on the device at a time."""
+
+
+def optimizer_state_piece(state: Dict[str, Any], master: torch.Tensor, where: slice,
+                          locate: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Dict[str, Any]:
     """One parameter's piece of the optimizer state kept for ``master`` (a 1-D master tensor):
-    per-element state, shaped like ``master``, as a view ``[where]``; scalars (Adam's ``step``)
-    and non-tensors as they are."""
+    per-element state, shaped like ``master``, as a view ``[where]`` (of ``locate(state)``: its
+    host copy while offloaded); scalars (Adam's ``step``) and non-tensors as they are."""
     def piece(value):
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
-            return value.detach()[where]
+            return locate(value.detach())[where]
         return value
 
     return {key: piece(value) for key, value in state.items()}

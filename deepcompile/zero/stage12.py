@@ -141,21 +141,24 @@ class Zero12Sharding(Sharding):
                 continue
             dtype = g.params[0].dtype
             # gloo cannot gather every half type on every torch version; fp32 is exact.
-            comm_dtype = torch.float32 if g.master.device.type == "cpu" else dtype
+            comm_dtype = torch.float32 if self.device.type == "cpu" else dtype
+            # Between steps the master partition may be in offload's host copy: each all-gather's
+            # input goes to the device (one chunk at a time when the bucket is smaller).
+            master = self._located(g.master.detach())
             P = g.partition_numel
             # zero_optimization.allgather_bucket_size bounds the elements of one all-gather (all
             # ranks' pieces together), hence its staging buffer.
             chunk = max(1, self.allgather_bucket_size // self.world)
             if chunk >= P:
-                flat = torch.empty(P * self.world, dtype=comm_dtype, device=g.master.device)
-                dist.all_gather_into_tensor(flat, g.master.detach().to(comm_dtype), group=self.group)
+                flat = torch.empty(P * self.world, dtype=comm_dtype, device=self.device)
+                dist.all_gather_into_tensor(flat, master.to(self.device, comm_dtype), group=self.group)
                 for p, off in zip(g.params, g.offsets):
                     p.copy_(flat[off : off + p.numel()].view_as(p))
                 continue
             for lo in range(0, P, chunk):
                 hi = min(P, lo + chunk)
-                got = torch.empty(self.world, hi - lo, dtype=comm_dtype, device=g.master.device)
-                dist.all_gather_into_tensor(got.view(-1), g.master.detach()[lo:hi].to(comm_dtype), group=self.group)
+                got = torch.empty(self.world, hi - lo, dtype=comm_dtype, device=self.device)
+                dist.all_gather_into_tensor(got.view(-1), master[lo:hi].to(self.device, comm_dtype), group=self.group)
                 for r in range(self.world):
                     # Rank r's piece holds flat elements [r * P + lo, r * P + hi) of the group.
                     begin, end = r * P + lo, r * P + hi
@@ -191,28 +194,27 @@ class Zero12Sharding(Sharding):
     # replicated in the module (and in full_state_dict) and are not listed.
 
     def shards(self) -> Iterator[ParamShard]:
-        self._state_on_device()
         for g in self.groups:
-            master = g.master.detach()  # same storage; a plain tensor, writable in place
+            # Same storage (or offload's host copy of it); a plain tensor, writable in place.
+            master = self._located(g.master.detach())
             for piece in g.pieces():
                 local = master[piece.in_partition] if piece.owned else master[:0]
                 r = piece.in_param
                 yield ParamShard(self._names[id(piece.param)], piece.ds_id, piece.param.shape, local, r.start, r.stop)
 
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
-        self._state_on_device()
         for g in self.groups:
             for piece in g.pieces():
                 if piece.ds_id != ds_id:
                     continue
                 where = piece.in_partition if piece.owned else slice(0, 0)
-                return optimizer_state_piece(self.optimizer.state.get(g.master, {}), g.master, where)
+                return optimizer_state_piece(self.optimizer.state.get(g.master, {}), g.master, where, self._located)
         return {}
 
     def reset_optimizer_state(self, state: Dict[int, Dict[str, Any]]) -> None:
         # One flat master per param group, in the optimizer's group order (__init__).
         for g, group_dict in zip(self.groups, self.optimizer.param_groups):
-            self.optimizer.state.pop(g.master, None)
+            had = self.optimizer.state.pop(g.master, None)
             merged: Dict[str, Any] = {}
             for ds_id in g.ds_ids:
                 for key, value in state.get(ds_id, {}).items():
@@ -222,9 +224,12 @@ class Zero12Sharding(Sharding):
                     merged[key] = value if value is None or key not in merged else largest_scalar(merged[key], value)
             if merged:
                 self.optimizer.state[g.master] = fresh_optimizer_state(merged, g.master, group_dict)
+            if had is not None or merged:
+                # One param group at a time: offload takes its fresh state to the host before the
+                # next group's is allocated.
+                self._state_replaced(list(g.ds_ids))
 
     def sync_params_from_shards(self) -> None:
-        self._state_on_device()
         self._gather_updated_params()
         self.unset_params = still_unset(self, self.unset_params, self.group, self.device)
 

@@ -118,24 +118,24 @@ class Zero3Sharding(Sharding):
         return start, min(start + sp.ppr, sp.numel)
 
     def shards(self) -> Iterator[ParamShard]:
-        self._state_on_device()  # parameter offload: the master shards may be on the host
         for sp in self.params:
             start, end = self._range(sp)
             # `shard` is the storage of the master weights (and the gather source); a plain
-            # tensor, unlike the master Parameter, so the view can be written in place.
-            yield ParamShard(sp.name, sp.ds_id, sp.shape, sp.shard[: end - start], start, end)
+            # tensor, unlike the master Parameter, so the view can be written in place. Under
+            # parameter offload it may be its host copy (the runtime gathers from that one then).
+            yield ParamShard(sp.name, sp.ds_id, sp.shape, self._located(sp.shard)[: end - start], start, end)
 
     def param_names(self) -> Dict[int, str]:
         # Names only: no view of a shard, so an offloaded one need not come back for it.
         return {sp.ds_id: sp.name for sp in self.params}
 
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
-        self._state_on_device()
         sp = self.params[ds_id]
         if sp.master is None:
             return {}
         start, end = self._range(sp)
-        return optimizer_state_piece(self.optimizer.optimizer.state.get(sp.master, {}), sp.master, slice(0, end - start))
+        return optimizer_state_piece(self.optimizer.optimizer.state.get(sp.master, {}), sp.master, slice(0, end - start),
+                                     self._located)
 
     def reset_optimizer_state(self, state: Dict[int, Dict[str, object]]) -> None:
         opt = self.optimizer.optimizer
@@ -143,13 +143,18 @@ class Zero3Sharding(Sharding):
         for sp in self.params:
             if sp.master is None:
                 continue
-            opt.state.pop(sp.master, None)
+            had = opt.state.pop(sp.master, None)
             keys = state.get(sp.ds_id)
             if keys and id(sp.master) in group_of:
                 opt.state[sp.master] = fresh_optimizer_state(keys, sp.master, group_of[id(sp.master)])
+            if had is not None or sp.master in opt.state:
+                # One parameter at a time: offload takes each fresh state to the host before the
+                # next is allocated.
+                self._state_replaced([sp.ds_id])
 
     def sync_params_from_shards(self) -> None:
-        self._state_on_device()
+        # Shards written in place (on the device, or in the host copy the runtime gathers from
+        # under parameter offload): every gathered copy is stale.
         runtime.invalidate_all_gathered()
         self.unset_params = still_unset(self, self.unset_params, self.group, self.device)
 
