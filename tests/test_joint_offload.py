@@ -52,7 +52,7 @@ def _config(budget=None, offload=True):
     return cfg
 
 
-def _train(ctx, cfg):
+def _train(ctx, cfg, rows=ROWS):
     import deepcompile
 
     torch._dynamo.reset()
@@ -63,7 +63,7 @@ def _train(ctx, cfg):
     losses = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 5, generator=g)
+        x, y = torch.randn(rows, 7, generator=g), torch.randn(rows, 5, generator=g)
         loss = engine(x.to(ctx.device), y.to(ctx.device))
         engine.backward(loss)
         engine.step()
@@ -157,3 +157,48 @@ def _body(ctx):
 def test_joint_plan_choice_follows_the_budget():
     # One rank: the budgets above are computed from this rank's own candidates.
     run_distributed(_body, 1, timeout=900)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+GPU_ROWS = 1 << 17  # the saved activation: 2.5 MiB, above the 1 MiB minimum of a GPU candidate
+
+
+def _gpu_body(ctx):
+    base_losses, base_params, engine = _train(ctx, _config(offload=False), GPU_ROWS)
+    engine.destroy()
+    plans = {}
+    for name in ("roomy", "tight"):
+        if name == "roomy":
+            budget = 1 << 40
+        else:
+            # Half the optimizer state too much for the roomy plan's predicted peak (all ranks alike).
+            r = plans["roomy"]
+            budget = r["predicted_peak_bytes"] - r["kinds"]["optimizer_state"]["resident_bytes"] // 2
+            t = torch.tensor([budget], device=ctx.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            budget = int(t.item())
+        # Each run's floors read the allocator's peak: not the previous run's.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        losses, params, engine = _train(ctx, _config(budget), GPU_ROWS)
+        plan = engine.schedule_report()["offload_plan"]
+        print(f"rank {ctx.rank} {name}: {engine.scheduler.report.text()}", flush=True)
+        engine.destroy()
+        # The copies only move bytes, on streams ordered by events: bitwise (an MLP: no atomics).
+        assert losses == base_losses, (name, losses, base_losses)
+        for k in base_params:
+            assert torch.equal(params[k], base_params[k]), (name, k)
+        assert plan["link"]["host_to_device"] > 1e8 and plan["link"]["device_to_host"] > 1e8, plan["link"]
+        assert plan["compute_source"] == "profile", plan
+        plans[name] = plan
+    roomy, tight = plans["roomy"], plans["tight"]
+    assert sum(k["offloaded_bytes"] for k in roomy["kinds"].values()) == 0, roomy
+    assert tight["kinds"]["optimizer_state"]["offloaded_bytes"] > 0, tight
+    assert tight["predicted_peak_bytes"] <= tight["budget_bytes"], tight
+
+
+@pytest.mark.gpu
+def test_gpu_joint_plan_parity_and_choice():
+    run_distributed(_gpu_body, multiproc.single_world_size(), timeout=600)

@@ -12,8 +12,10 @@ memory budget ``B`` (``compile.memory_budget_bytes``, else ``memory_budget_fract
 a CPU device has a budget only with ``memory_budget_bytes``), at most ``B - F`` bytes of
 activations may stay on the device: the plan offloads the fewest bytes, largest first, that bring
 the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
-budget everything stays offloaded. The plan is a set of site keys the ops consult at run time: no
-recompile.
+budget everything stays offloaded. With optimizer-state or parameter offload on too, the plan at
+that step is instead the joint one (``offload/joint.py``), which weighs the activations against
+the optimizer state and master shards. The plan is a set of site keys the ops consult at run
+time: no recompile.
 """
 
 from __future__ import annotations
