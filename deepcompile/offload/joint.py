@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-
 from deepcompile.offload import bandwidth, device_memory, host_memory
 from deepcompile.offload.joint_plan import (ACTIVATION, KINDS, MASTER, OPTIMIZER_STATE, Candidate, ComputeTimes,
                                             JointPlan, Link, plan_jointly)
+from deepcompile.offload.plan import OffloadBudgetError
 
 
 class JointOffload:
@@ -105,8 +104,18 @@ class JointOffload:
             cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,
                                    forced=master and settings.force_masters,
                                    eligible=settings.offload_masters if master else settings.offload_state))
-        plan = plan_jointly(cands, settings.budget_bytes, m["fb_floor_bytes"], m["step_floor_bytes"], off.streams,
-                            m["link"], m["compute"], self.micro_steps, settings.min_fraction, settings.budget_name)
+        error = None
+        try:
+            plan = plan_jointly(cands, settings.budget_bytes, m["fb_floor_bytes"], m["step_floor_bytes"], off.streams,
+                                m["link"], m["compute"], self.micro_steps, settings.min_fraction, settings.budget_name)
+        except OffloadBudgetError as e:
+            error = e
+        # The floors are the same on every rank, the candidates not quite (shard sizes): a budget
+        # that one rank cannot meet is raised on every rank.
+        (failed,) = off._max_over_ranks([float(error is not None)])
+        if failed:
+            raise error or OffloadBudgetError("offload: the memory budget cannot be met on another rank (its error "
+                                              "names the minimum there)")
         self.plan, self.inputs = plan, m
         decided = {c.key: out for c, out in zip(cands, plan.offloaded)}
         if act.planned_after_step is not None:  # the provisional window is over
