@@ -20,6 +20,7 @@ from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
 from deepcompile.offload.activations import activation_memory
+from deepcompile.offload.joint import joint_offload, measured_compute
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
@@ -106,6 +107,12 @@ class Engine:
         self.activations = activation_memory(config, self.device)
         if self.activations is not None:
             self.scheduler.report.activations = self.activations.report
+        # Activation offload beside optimizer-state/parameter offload: one plan (offload/joint.py).
+        self.joint_offload = joint_offload(
+            self.offload, self.activations, self.gradient_accumulation_steps,
+            lambda: measured_compute(self.scheduler, self.step_report, self.gradient_accumulation_steps))
+        if self.joint_offload is not None:
+            self.scheduler.report.joint = self.joint_offload.report
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
@@ -134,6 +141,8 @@ class Engine:
                                         can_profile=self.compiled_module.has_backends)
         if self.activations is not None:
             self.activations.check_runs_compiled(self._compiled)
+        if self.joint_offload is not None:
+            self.joint_offload.note_micro_step(self.scheduler.mode)
         module = self._compiled if self._compiled is not None else self.module
         self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
@@ -173,6 +182,8 @@ class Engine:
         if self._ledger is not None:
             self._check_window()
         self.step_report.start("step")
+        if self.joint_offload is not None:
+            self.joint_offload.at_schedule_switch(self.scheduler)
         if self.offload is not None:
             self.offload.before_step()
         if self.activations is not None:

@@ -2,7 +2,9 @@
 
 Today: optimizer-state offload (``opt_states.py``), planned per tensor under the memory budget
 (``plan.py``), copied on two lanes (``lanes.py``) into host buffers (``host_memory.py``).
-Parameter and activation offload are to plug into the same lanes, buffers and plan.
+Parameter offload rides on optimizer-state offload; activation offload has its ops and plan
+(``activation_ops.py``, ``activations.py``); with more than one kind on, ``joint.py`` makes one
+plan for all of them (``joint_plan.py``).
 """
 
 from __future__ import annotations

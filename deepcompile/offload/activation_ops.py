@@ -40,7 +40,7 @@ graph holds the ops for every eligible activation, and re-planning costs no reco
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -93,10 +93,15 @@ class ActivationOffloader:
         # The most device memory allocated at any op call while ``sample`` (the plan's floor).
         self.sample = True
         self.observed_peak = 0
+        # Bytes of other offloadable state on the device now (optimizer-state and parameter
+        # offload's resident units), left out of the floor: the joint plan (offload/joint.py)
+        # counts them as its own candidates. None: nothing left out.
+        self.resident_elsewhere: Optional[Callable[[], int]] = None
 
     def _sample(self) -> None:
         if self.sample:
-            self.observed_peak = max(self.observed_peak, device_memory.allocated(self.device))
+            other = self.resident_elsewhere() if self.resident_elsewhere is not None else 0
+            self.observed_peak = max(self.observed_peak, device_memory.allocated(self.device) - other)
 
     def site(self, key: int, name: str) -> None:
         self.stats.setdefault(key, KeyStats(key, name))

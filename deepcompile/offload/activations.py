@@ -12,8 +12,10 @@ memory budget ``B`` (``compile.memory_budget_bytes``, else ``memory_budget_fract
 a CPU device has a budget only with ``memory_budget_bytes``), at most ``B - F`` bytes of
 activations may stay on the device: the plan offloads the fewest bytes, largest first, that bring
 the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
-budget everything stays offloaded. The plan is a set of site keys the ops consult at run time: no
-recompile.
+budget everything stays offloaded. With optimizer-state or parameter offload on too, the plan at
+that step is instead the joint one (``offload/joint.py``), which weighs the activations against
+the optimizer state and master shards. The plan is a set of site keys the ops consult at run
+time: no recompile.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ActivationMemory:
             self.budget, self.budget_name = None, "none (CPU device without compile.memory_budget_bytes)"
         self.planned_after_step: Optional[int] = None
         self.floor_bytes: Optional[int] = None
+        self.joint = None  # offload/joint.py, when optimizer-state or parameter offload is on too
         if compile_config.offload_activation:
             self.offloader = activation_ops.ActivationOffloader(device, compile_config.offload_activation_pin_memory)
             activation_ops.activate(self.offloader)
@@ -71,6 +74,11 @@ class ActivationMemory:
         self.planned_after_step = global_steps
         self.floor_bytes = o.observed_peak
         o.sample = False
+        if self.joint is not None:
+            # One plan with optimizer state and master shards (offload/joint.py); the floor left
+            # their resident units out.
+            self.joint.replan("activation floor of two windows measured")
+            return
         if self.budget is None:
             return  # no budget: everything stays offloaded
         sites = [s for s in o.stats.values() if s.offloads > 0]

@@ -382,6 +382,7 @@ class OptimizerStateOffload:
                 self._units_of.setdefault(ds_id, []).append(unit)
         ordered = sorted(found.values(), key=lambda u: u.order_key)
         peak_without, step_floor = self.peak_without, self.step_floor
+        joint = getattr(self, "joint", None)  # offload/joint.py: one plan with the activations
         if collective:
             # One plan decision for all ranks: the largest measurement, so every rank raises alike.
             peak_without, step_floor = self._max_over_ranks([peak_without, step_floor])
@@ -410,8 +411,13 @@ class OptimizerStateOffload:
             if out and headroom >= unit.nbytes and not master:
                 unit.early = True  # fits beside the backward's peak: reload from its start
                 headroom -= unit.nbytes
-            if out and failure is None and not self._ensure_host(unit):
+            # (With a joint plan its decision, below, is what gets host buffers.)
+            if out and failure is None and (joint is None or not collective) and not self._ensure_host(unit):
                 failure = self._provisional_failure
+        if joint is not None and collective:
+            # The units' decisions are made again together with the activations' (the same
+            # measurements, all-reduced there); host buffers for what it offloads are ensured.
+            failure = failure or joint.replan("optimizer state planned after step " + str(self.steps), vote=False)
         failure = failure or self._provisional_failure
         self._provisional_failure = None
         failed = float(failure is not None)
@@ -424,6 +430,55 @@ class OptimizerStateOffload:
                 + (f"; {self.plan.offloaded_bytes} bytes were to be offloaded. Lower what is offloaded "
                    "(offload_optimizer.ratio, a larger compile.memory_budget_*), free host memory"
                    + (", or set offload_optimizer.pin_memory false" if self.settings.pin_memory else "")))
+
+    def joint_units(self) -> List[OffloadUnit]:
+        """The planned units in reload order (the joint plan's candidates of this side)."""
+        return sorted(self.units.values(), key=lambda u: u.order_key)
+
+    def is_master_shard(self, unit: OffloadUnit) -> bool:
+        """Under ZeRO-3 a master unit is a parameter shard (parameter offload's kind, read by every
+        gather); under ZeRO-1/2 a master partition is optimizer state like Adam's moments."""
+        return self.streams and unit.what == MASTER
+
+    def resident_offloadable_bytes(self) -> int:
+        """Bytes of the units on the device now. Before the first plan under ZeRO-1/2 the units are
+        not discovered yet; the master partitions, on the device then, are counted from the shards."""
+        if self.units:
+            return sum(u.nbytes for u in self.units.values() if not u.on_host)
+        if self.plan is not None or not self.sharding.masters_offloadable:
+            return 0
+        if not hasattr(self, "_masters_before_plan"):
+            seen = {}
+            for shard in self._shards:
+                t = shard.local
+                if t.numel() and t.device == self.device:
+                    seen[compat.storage_id(t)] = t.untyped_storage().nbytes()
+            self._masters_before_plan = sum(seen.values())
+        return self._masters_before_plan
+
+    def apply_joint_plan(self, offloaded: Dict[int, bool], headroom: Optional[int]) -> Optional[str]:
+        """Take the joint plan's decision per unit (storage key -> offloaded); reloads of offloaded
+        optimizer state start in the backward as far as ``headroom`` (None: no budget) allows, as
+        in ``_replan``. The copies happen at after_step. Returns why a host buffer could not be
+        allocated on this rank (None: all were), for the caller's vote across ranks."""
+        units = self.joint_units()
+        left = 0 if headroom is None else headroom
+        for unit in units:
+            unit.planned_out = bool(offloaded.get(unit.storage_key, unit.planned_out))
+            unit.early = False
+            if unit.planned_out and not self.is_master_shard(unit) and left >= unit.nbytes:
+                unit.early = True
+                left -= unit.nbytes
+        out = [u.planned_out for u in units]
+        moved = sum(u.nbytes for u in units if u.planned_out)
+        required = self.plan.required_bytes if self.plan is not None else moved
+        self.plan = OffloadPlan(out, sum(u.nbytes for u in units) - moved, moved, required)
+        failure = None
+        for unit in units:
+            if unit.planned_out and failure is None and not self._ensure_host(unit):
+                failure = self._provisional_failure
+        self._provisional_failure = None
+        return failure
 
     def _ensure_host(self, unit: OffloadUnit) -> bool:
         """``unit`` has a host buffer (allocated now if needed); False (and the failure noted, to

@@ -65,6 +65,24 @@ def _activation_lines(a: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _joint_lines(j: Dict[str, Any]) -> List[str]:
+    if not j["planned"]:
+        return [f"offload plan (joint): {j['note']}"]
+    lines = [f"offload plan (joint), budget {j['budget']}: predicted peak {_mib(j['predicted_peak_bytes'])} "
+             f"(forward/backward {_mib(j['predicted_forward_backward_peak_bytes'])}, step "
+             f"{_mib(j['predicted_step_peak_bytes'])}), measured "
+             + (_mib(j["measured_peak_bytes"]) + " since the plan" if j["measured_peak_bytes"] is not None
+                else f"not above the peak at the plan ({_mib(j['peak_at_plan_bytes'])})")
+             + f"; transfer {j['predicted_transfer_ms_per_step']:.4g} ms/step, exposed "
+             f"{j['predicted_exposed_ms_per_step']:.4g} ms/step (compute from {j['compute_source']})"]
+    for kind, k in j["kinds"].items():
+        lines.append(f"    {kind}: {_mib(k['offloaded_bytes'])} offloaded, {_mib(k['resident_bytes'])} resident, "
+                     f"transfer {k['predicted_transfer_ms_per_step']:.4g} ms/step, exposed "
+                     f"{k['predicted_exposed_ms_per_step']:.4g} ms/step")
+    lines += [f"    planned after step {h['after_step']}: {h['reason']}" for h in j["history"]]
+    return lines
+
+
 def _key(signature: Tuple) -> str:
     phase, ids, n_nodes = signature
     return f"{phase}[{len(ids)} gathers, {n_nodes} nodes]"
@@ -85,6 +103,8 @@ class ScheduleReport:
         self.offload: Optional[Callable[[], Dict[str, Any]]] = None
         # Set by the engine when free_activation / offload_activation is on (offload/activations.py).
         self.activations: Optional[Callable[[], Dict[str, Any]]] = None
+        # Set by the engine when the joint offload plan is on (offload/joint.py).
+        self.joint: Optional[Callable[[], Dict[str, Any]]] = None
 
     def planned(self, step: int, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
                 prefetch_plans: Dict[Tuple, Any]) -> None:
@@ -147,6 +167,8 @@ class ScheduleReport:
             out["optimizer_state_offload"] = self.offload()
         if self.activations is not None:
             out["activations"] = self.activations()
+        if self.joint is not None:
+            out["offload_plan"] = self.joint()
         return out
 
     def text(self) -> str:
@@ -154,6 +176,8 @@ class ScheduleReport:
         offload = [] if self.offload is None else _offload_lines(r["optimizer_state_offload"])
         if self.activations is not None:
             offload += _activation_lines(r["activations"])
+        if self.joint is not None:
+            offload += _joint_lines(r["offload_plan"])
         if "step" not in r:
             return "\n".join(["deepcompile schedule: no switch yet"] + offload)
         lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]

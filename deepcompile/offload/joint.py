@@ -1,0 +1,236 @@
+"""The engine's side of the joint offload plan (``joint_plan.py``): one decision for activation
+offload, optimizer-state offload and parameter offload, when activation offload is on together
+with either of the others.
+
+Before any measurement each side runs provisionally, so a job that fits only with offloading runs
+from its first step: every activation candidate is offloaded, the master shards of parameter
+offload go to the host at initialize, optimizer state created by a streamed step is written back
+at once. Then the joint plan is made, and redone, at these points (every rank alike: the
+measurements are all-reduced, the largest memory readings and the slowest link win):
+
+1. after the first optimizer step, when optimizer state exists (``OptimizerStateOffload._replan``
+   calls :meth:`JointOffload.replan`): its decisions for optimizer state and master shards apply
+   from then on; activations stay all offloaded, so the next window measures their floor;
+2. before the second optimizer step (``ActivationMemory.before_step``): the activation floor of
+   two windows is known; the plan is redone and applies to all three kinds;
+3. after a schedule switch (``scheduling/``: prefetch and persistence change what the forward and
+   backward hold), once the switch's first micro-step has measured the new graphs: if the measured
+   peak moved (the largest graph peak, after the switch against the profile it was planned from,
+   each without the offloadable bytes resident then), or the profile brought the first measured op
+   times, the plan is redone, and the report's history says so. On CUDA the floor moves with the
+   peak; on a CPU device (floors read 0, ``device_memory.py``) it does not.
+
+The floors: ``fb_floor`` is the larger of the optimizer-state side's forward/backward peak without
+its units and the activation side's floor (sampled at every offload/reload/wait with the resident
+units left out, ``ActivationOffloader.resident_elsewhere``); ``step_floor`` is the optimizer-state
+side's (``plan.py``). The compute that copies hide behind: per phase, the ZeRO-3 profile's op
+times (one micro-step, times the accumulation steps) once the schedule has profiled, else the
+engine's timings under ``wall_clock_breakdown``, else none (every copy counts as exposed, and the
+plan minimises transfer time). The step's time comes from ``wall_clock_breakdown`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from deepcompile.offload import bandwidth, device_memory, host_memory
+from deepcompile.offload.joint_plan import (ACTIVATION, KINDS, MASTER, OPTIMIZER_STATE, Candidate, ComputeTimes,
+                                            JointPlan, Link, plan_jointly)
+from deepcompile.offload.plan import OffloadBudgetError
+
+
+class JointOffload:
+    """``offload``: the engine's ``OptimizerStateOffload``; ``activations``: its
+    ``ActivationMemory`` (offload on); ``compute``: returns (forward_s, backward_s, step_s, source)
+    per optimizer step, or None when nothing is measured."""
+
+    def __init__(self, offload: Any, activations: Any, micro_steps: int,
+                 compute: Callable[[], Optional[Tuple[float, float, float, str]]]):
+        self.offload = offload
+        self.activations = activations
+        self.micro_steps = micro_steps
+        self.compute = compute
+        self.plan: Optional[JointPlan] = None
+        self.inputs: Dict[str, Any] = {}
+        self.history: List[Dict[str, Any]] = []
+        self._peak_at_plan = 0
+        self._switch_seen: Optional[int] = None
+        self._floor_shift = 0  # the measured peak's move at schedule switches (CUDA)
+        self._resident_at: Dict[str, int] = {}
+        offload.joint = self
+        activations.joint = self
+        activations.offloader.resident_elsewhere = offload.resident_offloadable_bytes
+
+    # ---- measurements -------------------------------------------------------------------------
+
+    def _link(self) -> Link:
+        link = bandwidth.copy_bandwidth(self.offload.device)
+        if link is not None:
+            return Link(link.host_to_device, link.device_to_host)
+        rate = bandwidth.host_to_device_bytes_per_s(self.offload.device)  # a CPU device: memcpy
+        return Link(rate, rate)
+
+    def _measure(self) -> Dict[str, Any]:
+        off, act = self.offload, self.activations
+        o = act.offloader
+        compute = self.compute()
+        link = self._link()
+        floor = max(off.peak_without or 0, o.observed_peak) + self._floor_shift
+        step_floor = off.step_floor or 0
+        f, b, s, source = compute if compute is not None else (0.0, 0.0, 0.0, "none")
+        # One decision for all ranks: the largest readings, the slowest link (integers: bytes,
+        # microseconds, bytes per second negated).
+        floor, step_floor, f_us, b_us, s_us, h2d, d2h = off._max_over_ranks(
+            [floor, step_floor, f * 1e6, b * 1e6, s * 1e6, -link.host_to_device, -link.device_to_host])
+        return {"fb_floor_bytes": floor, "step_floor_bytes": step_floor,
+                "compute": ComputeTimes(f_us / 1e6, b_us / 1e6, s_us / 1e6), "compute_source": source,
+                "link": Link(max(-h2d, 1), max(-d2h, 1))}
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def replan(self, reason: str, vote: bool = True) -> Optional[str]:
+        """Plan all three kinds together and apply it (activations only once their provisional
+        window is over). ``vote``: raise a host-buffer failure on every rank here; otherwise it is
+        returned for the caller's vote."""
+        off, act = self.offload, self.activations
+        o = act.offloader
+        m = self._measure()
+        settings = off.settings
+        units = off.joint_units()
+        sites = [s for s in o.stats.values() if s.offloads > 0]  # (one that shares its storage never moves)
+        cands = [Candidate(("act", s.key), ACTIVATION, s.nbytes) for s in sites]
+        for u in units:
+            master = off.is_master_shard(u)
+            cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,
+                                   forced=master and settings.force_masters,
+                                   eligible=settings.offload_masters if master else settings.offload_state))
+        error = None
+        try:
+            plan = plan_jointly(cands, settings.budget_bytes, m["fb_floor_bytes"], m["step_floor_bytes"], off.streams,
+                                m["link"], m["compute"], self.micro_steps, settings.min_fraction, settings.budget_name)
+        except OffloadBudgetError as e:
+            error = e
+        # The floors are the same on every rank, the candidates not quite (shard sizes): a budget
+        # that one rank cannot meet is raised on every rank.
+        (failed,) = off._max_over_ranks([float(error is not None)])
+        if failed:
+            raise error or OffloadBudgetError("offload: the memory budget cannot be met on another rank (its error "
+                                              "names the minimum there)")
+        self.plan, self.inputs = plan, m
+        decided = {c.key: out for c, out in zip(cands, plan.offloaded)}
+        if act.planned_after_step is not None:  # the provisional window is over
+            o.plan = {s.key for s in sites if decided[("act", s.key)]}
+        failure = off.apply_joint_plan({u.storage_key: decided[("unit", u.storage_key)] for u in units},
+                                       plan.headroom)
+        self._peak_at_plan = device_memory.peak_allocated(off.device)
+        self.history.append({"after_step": off.steps, "reason": reason,
+                             "activations_applied": act.planned_after_step is not None,
+                             "offloaded_bytes": dict(plan.offloaded_bytes),
+                             "predicted_exposed_ms_per_step": plan.exposed_total_s * 1e3})
+        if not vote:
+            return failure
+        (failed,) = off._max_over_ranks([float(failure is not None)])
+        if failed:
+            raise host_memory.PinnedMemoryError(
+                "offload (joint plan) could not allocate its host buffers"
+                + (f" on this rank ({failure})" if failure else " on another rank")
+                + "; raise compile.memory_budget_*, free host memory, or turn pin_memory off")
+        return None
+
+    def note_micro_step(self, mode: Optional[str]) -> None:
+        """Before a forward the schedule profiles (``mode`` "plan": the profile a switch plans
+        from; "verify": the switch's first micro-step): the offloadable bytes on the device then,
+        so that a moved peak is compared without them."""
+        if mode is not None:
+            self._resident_at[mode] = self._resident_now()
+
+    def _resident_now(self) -> int:
+        o = self.activations.offloader
+        kept = 0 if o.plan is None else sum(s.nbytes for s in o.stats.values() if s.offloads and s.key not in o.plan)
+        return kept + self.offload.resident_offloadable_bytes()
+
+    def at_schedule_switch(self, driver: Any) -> None:
+        """Before an optimizer step: once a schedule switch's first micro-step has been measured,
+        redo the plan if the measured peak moved or op times were measured for the first time."""
+        report = driver.report.current
+        if report is None or self.plan is None or driver._verify_pending or report["step"] == self._switch_seen:
+            return
+        self._switch_seen = report["step"]
+        graphs = report["graphs"]
+        before = max((g["profiled_peak_bytes"] or 0 for g in graphs), default=0)
+        after = max((g["measured_peak_bytes"] or 0 for g in graphs), default=0)
+        # Left out: what the plans kept on the device at each measurement (they may differ).
+        moved = (after - self._resident_at.get("verify", 0)) - (before - self._resident_at.get("plan", 0))
+        reasons = []
+        if moved:
+            if self.offload.device.type == "cuda":
+                # Profiled peaks are allocated device bytes: prefetch and persistence move the floor.
+                self._floor_shift += moved
+            # (On a CPU device the profiler measures a graph's working set while the floors read 0,
+            # device_memory.py: the plan is redone, the floor stays.)
+            reasons.append(f"measured peak moved by {moved} bytes ({before} -> {after})")
+        source = self.compute()
+        if source is not None and source[3] != self.inputs.get("compute_source"):
+            reasons.append(f"compute times now from the {source[3]}")
+        (redo,) = self.offload._max_over_ranks([float(bool(reasons))])
+        if redo:
+            self.replan(f"schedule switch at step {report['step']}: " + ("; ".join(reasons) or "on another rank"))
+
+    # ---- report -------------------------------------------------------------------------------
+
+    def report(self) -> Dict[str, Any]:
+        plan, m = self.plan, self.inputs
+        if plan is None:
+            return {"planned": False, "note": "planned after the first optimizer step; until then every "
+                    "activation candidate is offloaded (and parameter offload's masters)"}
+        peak_now = device_memory.peak_allocated(self.offload.device)
+        link = m["link"]
+        return {
+            "planned": True,
+            "budget_bytes": self.offload.settings.budget_bytes,
+            "budget": self.offload.settings.budget_name,
+            "fb_floor_bytes": m["fb_floor_bytes"],
+            "step_floor_bytes": m["step_floor_bytes"],
+            "link": {"host_to_device": link.host_to_device, "device_to_host": link.device_to_host},
+            "compute_s": {"forward": m["compute"].forward_s, "backward": m["compute"].backward_s,
+                          "step": m["compute"].step_s},
+            "compute_source": m["compute_source"],
+            "kinds": {k: {"offloaded_bytes": plan.offloaded_bytes[k], "resident_bytes": plan.resident_bytes[k],
+                          "predicted_transfer_ms_per_step": plan.transfer_s[k] * 1e3,
+                          "predicted_exposed_ms_per_step": plan.exposed_s[k] * 1e3} for k in KINDS},
+            "predicted_transfer_ms_per_step": sum(plan.transfer_s.values()) * 1e3,
+            "predicted_exposed_ms_per_step": plan.exposed_total_s * 1e3,
+            "predicted_peak_bytes": plan.predicted_peak,
+            "predicted_forward_backward_peak_bytes": plan.predicted_fb_peak,
+            "predicted_step_peak_bytes": plan.predicted_step_peak,
+            # As optimizer-state offload's report: the allocator's peak is never reset, so only a
+            # peak above the one at the plan is known to come from after it.
+            "measured_peak_bytes": peak_now if peak_now > self._peak_at_plan else None,
+            "peak_at_plan_bytes": self._peak_at_plan,
+            "history": list(self.history),
+        }
+
+
+def measured_compute(driver: Any, step_report: Any, micro_steps: int) -> Optional[Tuple[float, float, float, str]]:
+    """Compute seconds per optimizer step (forward, backward, step) and where they come from: the
+    schedule's last profile (one micro-step's op times), else ``wall_clock_breakdown``'s timings
+    since its last line; None when neither exists."""
+    profiles = [p for p in driver.report.verify_profiles.values() if p.complete] \
+        or [p for p in driver.profiles.values() if p.complete]
+    timed = step_report.timing and step_report._steps_in_window > 0
+    per_step = {k: v / 1e3 / step_report._steps_in_window for k, v in step_report.totals_ms.items()} if timed else {}
+    if profiles:
+        f = sum(p.total_time_ms for p in profiles if p.phase == "forward") / 1e3 * micro_steps
+        b = sum(p.total_time_ms for p in profiles if p.phase == "backward") / 1e3 * micro_steps
+        return f, b, per_step.get("step", 0.0), "profile"
+    if timed:
+        return per_step["forward"], per_step["backward"], per_step["step"], "wall_clock_breakdown"
+    return None
+
+
+def joint_offload(offload: Any, activations: Any, micro_steps: int,
+                  compute: Callable[[], Optional[Tuple[float, float, float, str]]]) -> Optional[JointOffload]:
+    """The joint plan when activation offload is on beside optimizer-state or parameter offload."""
+    if offload is None or activations is None or not activations.offload:
+        return None
+    return JointOffload(offload, activations, micro_steps, compute)
