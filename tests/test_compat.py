@@ -370,6 +370,21 @@ def test_eager_input_vals_and_set_eager_input_vals_on_a_custom_op():
     assert compat.eager_input_vals(plain) is None
 
 
+def test_node_position_follows_graph_order_through_insertions():
+    graph = torch.fx.Graph()
+    a = graph.placeholder("a")
+    b = graph.call_function(torch.add, (a, a))
+    c = graph.call_function(torch.mul, (b, b))
+    graph.output(c)
+    with graph.inserting_before(c):
+        d = graph.call_function(torch.neg, (b,))
+    with graph.inserting_after(a):
+        e = graph.call_function(torch.abs, (a,))
+    nodes = list(graph.nodes)
+    assert nodes == [a, e, b, d, c, nodes[-1]]
+    assert sorted(reversed(nodes), key=compat.node_position) == nodes
+
+
 def test_tree_leaves_and_tree_map_only():
     tree = (1, [torch.zeros(1), {"a": 2.0}])
     assert len(compat.tree_leaves(tree)) == 3
