@@ -109,7 +109,8 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
     engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                     "compile": {"selective_gather": False, "warmup_steps": 1}})
+                                     "compile": {"selective_gather": False, "warmup_steps": 1,
+                                                 "verify_plan": True}})
     engine.compile(backend="inductor")
 
     def step():
