@@ -630,6 +630,10 @@ class CompileConfig(_Section):
     schedule: Optional[tuple] = _key(_schedule, None, "ZeRO-3: explicit pass schedule replacing the one built from "
                                      "warmup_steps/prefetch/selective_gather: a list of {\"step\": int, "
                                      "\"passes\": [\"prefetch\" | \"selective_gather\", ...]}.")
+    verify_plan: bool = _key(_bool, False, "ZeRO-3: run the first micro-step under a new plan through the "
+                             "profiler once more (interpreted, un-fused), to measure each graph's peak for the "
+                             "schedule report. Off: the report says 'not measured' and the planned graphs run "
+                             "compiled from that step on.")
     memory_budget_fraction: float = _key(_number(0.0, 1.0, low_open=True), 0.9,
                                          "Fraction of device memory the profile-guided passes may plan for.")
     memory_budget_bytes: Optional[int] = _key(_optional(_integer(1)), None,

@@ -489,3 +489,51 @@ def test_stopping_an_isolated_run_stops_its_row_process(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+# ---- compile_time.py: per-phase time to the first scheduled step --------------------------------
+
+
+def test_compile_time_charges_nested_phases_exclusively():
+    import time
+    import types
+
+    import compile_time
+
+    clock = compile_time.PhaseClock()
+    holder = types.SimpleNamespace()
+    holder.inner = lambda: time.sleep(0.05)
+    holder.outer = lambda: (time.sleep(0.05), holder.inner())
+    module = types.ModuleType("compile_time_probe")
+    module.inner, module.outer = holder.inner, holder.outer
+    sys.modules["compile_time_probe"] = module
+    try:
+        clock.wrap("compile_time_probe", "inner", "inner phase")
+        clock.wrap("compile_time_probe", "outer", "outer phase")
+        holder.inner = module.inner  # outer calls the wrapped inner through holder
+        start = time.perf_counter()
+        module.outer()
+        wall = time.perf_counter() - start
+        clock.unwrap()
+    finally:
+        del sys.modules["compile_time_probe"]
+    # Each slept 50 ms in its own frame (sleeping overshoots, never undershoots). Exclusive: the
+    # two phases add up to the call's wall time (1 ms covers the clock's own bookkeeping), so
+    # the outer phase does not count the inner one's sleep again.
+    assert clock.calls == {"outer phase": 1, "inner phase": 1}
+    assert clock.seconds["inner phase"] >= 0.05 and clock.seconds["outer phase"] >= 0.05
+    assert clock.seconds["inner phase"] + clock.seconds["outer phase"] == pytest.approx(wall, abs=1e-3)
+    assert module.outer is holder.outer  # unwrap restored the originals
+
+
+def test_compile_time_wraps_names_that_exist():
+    """Every phase names a function where its callers find it in this torch and deepcompile: a
+    missing one would silently drop a phase from the table."""
+    import compile_time
+
+    clock = compile_time.PhaseClock()
+    try:
+        compile_time.install(clock)  # raises AttributeError / KeyError on a missing name
+        assert len(clock._undo) == len(compile_time.PHASES)
+    finally:
+        clock.unwrap()

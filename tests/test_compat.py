@@ -109,7 +109,8 @@ def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
     engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                     "compile": {"selective_gather": False, "warmup_steps": 1}})
+                                     "compile": {"selective_gather": False, "warmup_steps": 1,
+                                                 "verify_plan": True}})
     engine.compile(backend="inductor")
 
     def step():
@@ -368,6 +369,21 @@ def test_eager_input_vals_and_set_eager_input_vals_on_a_custom_op():
     assert compat.eager_input_vals(node)[0][0] is replacement
     plain = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert compat.eager_input_vals(plain) is None
+
+
+def test_node_position_follows_graph_order_through_insertions():
+    graph = torch.fx.Graph()
+    a = graph.placeholder("a")
+    b = graph.call_function(torch.add, (a, a))
+    c = graph.call_function(torch.mul, (b, b))
+    graph.output(c)
+    with graph.inserting_before(c):
+        d = graph.call_function(torch.neg, (b,))
+    with graph.inserting_after(a):
+        e = graph.call_function(torch.abs, (a,))
+    nodes = list(graph.nodes)
+    assert nodes == [a, e, b, d, c, nodes[-1]]
+    assert sorted(reversed(nodes), key=compat.node_position) == nodes
 
 
 def test_tree_leaves_and_tree_map_only():

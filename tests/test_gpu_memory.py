@@ -236,7 +236,7 @@ def _returned_body(ctx, sizes: dict, backend: str, dtype_name: str, steps: int, 
     torch._dynamo.reset()
     model = build_model(width, depth, dtype, ctx.device)
     optimizer = make_optimizer(model.parameters())
-    # Prefetch from step 1 on (step 0 is profiled, step 1 profiled again to verify the plan): the
+    # Prefetch from step 1 on (step 0 is profiled; step 1 runs the planned graphs compiled): the
     # later steps also check that prefetched groups are released.
     cfg = z3_config(width, threshold=0, prefetch=True, selective_gather=False, warmup_steps=1, dtype=dtype)
     engine = deepcompile.initialize(model, optimizer, cfg)
@@ -351,8 +351,8 @@ def _peak_body(ctx, sizes: dict, backend: str, warmup: int, check_alloc: bool):
     engine = deepcompile.initialize(model, optimizer, cfg)
     engine.compile(backend=backend)
     x, y = make_batch(0, batch, width, dtype, ctx.device)
-    # Warm-up: step 0 is profiled, the prefetch plan applies from step 1 (profiled once more to
-    # verify it); later steps run the compiled graphs with prefetch. Adam state exists after step 0.
+    # Warm-up: step 0 is profiled, the prefetch plan applies from step 1 (compiled then; no
+    # compile.verify_plan); later steps run the compiled graphs with prefetch. Adam state exists after step 0.
     for _ in range(warmup):
         loss = engine(x, y)
         engine.backward(loss)

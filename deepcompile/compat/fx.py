@@ -20,6 +20,15 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     return pytree.tree_map_only(kind, fn, tree)
 
 
+def node_position(node: Node) -> Any:
+    """A key ordering the nodes of one graph as the graph does (kept up to date by FX when
+    nodes are inserted or moved), so "which comes first" costs no walk over the graph.
+
+    Relies on ``Node._sort_key`` (torch >= 2.5).
+    """
+    return node._sort_key
+
+
 def mark_ops_side_effectful() -> None:
     """Keep the runtime ops that return nothing useful alive through dead-code removal.
 

@@ -206,15 +206,16 @@ class DeepCompileBackend:
         return self._finish(record, "backward", gm, inputs)
 
     def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):
-        """Schedule-driven passes, then the inner compiler, wrapped for profiling."""
-        gm.recompile()
+        """Schedule-driven passes, then the inner compiler, wrapped for profiling.
+
+        The graph's Python code is generated once, right before the inner compiler; the
+        profiler interprets the graph and needs none."""
         signature = planner.graph_signature(phase, gm)
         is_backward = phase == "backward"
         if is_backward and record.offload_sites:
             times = offload_activation.profiled_times(self.driver.profiles.get(signature))
             if times is not None:  # a profile of this backward exists: hide the reloads behind it
                 offload_activation.place_reloads(gm, times, self.activations.bytes_per_s())  # also replan.py
-                gm.recompile()
         half_plan = None
         if self.stage == 3:
             base = _copy_graph_module(gm)
@@ -224,13 +225,17 @@ class DeepCompileBackend:
             plan = self.driver.prefetch_plan(gm, signature)
             if plan is not None:
                 apply_prefetch(gm, record.graph_id, plan)
-                gm.recompile()
-        profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
+            if half_plan is not None and not record.offload_sites:
+                half_plan.key = replan.plan_key(plan)  # the graph is base + this plan
         if half_plan is not None and self.inner == "inductor" and self.driver.wants_profile(signature):
             # Its first run is profiled, and a re-plan may replace it before it runs compiled.
+            # Until it compiles, the profiler reads gm itself (interpreting never changes it).
             compiled = None
+            profiled_gm = gm
             half_plan.defer(gm)
         else:
+            profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
+            gm.recompile()
             compiled = self._inner_compile(gm, inputs, is_backward=is_backward)
             if half_plan is not None:
                 half_plan.compiled_now(compiled)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable, Optional, Set
+from typing import Iterable, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
@@ -46,20 +46,11 @@ def alias_closure(root: Node) -> Set[Node]:
 
 def last_user(graph: Graph, values: Set[Node]) -> Optional[Node]:
     """The last non-output node (in graph order) that reads any of ``values``."""
-    order: Dict[Node, int] = {n: i for i, n in enumerate(graph.nodes)}
-    last = None
-    for v in values:
-        for user in v.users:
-            if user.op == "output" or user in values:
-                continue
-            if last is None or order[user] > order[last]:
-                last = user
+    readers = [u for v in values for u in v.users if u.op != "output" and u not in values]
+    if readers:
+        return max(readers, key=compat.node_position)
     # An alias that nobody reads still needs the buffer until it is created.
-    if last is None:
-        for v in values:
-            if last is None or order[v] > order[last]:
-                last = v
-    return last
+    return max(values, key=compat.node_position) if values else None
 
 
 def reaches_output(values: Iterable[Node]) -> bool:
@@ -67,11 +58,8 @@ def reaches_output(values: Iterable[Node]) -> bool:
 
 
 def first_user(graph: Graph, node: Node) -> Optional[Node]:
-    users = set(u for u in node.users if u.op != "output")
-    for n in graph.nodes:
-        if n in users:
-            return n
-    return None
+    users = [u for u in node.users if u.op != "output"]
+    return min(users, key=compat.node_position) if users else None
 
 
 # Operators Inductor runs as library calls (cuBLAS, attention kernels, custom ops) rather than

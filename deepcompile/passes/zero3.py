@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from deepcompile import compat
 from deepcompile.passes.graph_utils import (
     alias_closure,
     first_library_call_reading,
@@ -86,12 +87,12 @@ def _release_anchors(graph, aliases, full: Node) -> List[Node]:
     anchor does not depend on gets a release of its own; the runtime frees the buffer when the
     last of the episode's ``n_users`` releases has run, whichever order they run in.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    position = compat.node_position
     readers = _readers(aliases)
     if not readers:  # an alias nobody reads still needs the buffer until it is created
         return [tensor_result(last_user(graph, aliases)) or full]
-    earliest = min(order[r] for r in readers)
-    uncovered = sorted(readers, key=order.__getitem__)
+    earliest = min(position(r) for r in readers)
+    uncovered = sorted(readers, key=position)
     anchors: List[Node] = []
     while uncovered:
         reader = uncovered.pop()
@@ -101,19 +102,21 @@ def _release_anchors(graph, aliases, full: Node) -> List[Node]:
                 continue  # no tensor to hang a release on: graph order keeps it before the others
             anchor = full
         anchors.append(anchor)
-        reached = _ancestors_from(anchor, order, earliest)
+        reached = _ancestors_from(anchor, earliest)
         uncovered = [r for r in uncovered if r not in reached]
     return anchors
 
 
-def _ancestors_from(node: Node, order, earliest: int) -> set:
-    """``node`` and the nodes it depends on, down to graph position ``earliest`` (graph order is a
-    topological order: no earlier node can depend on a reader)."""
+def _ancestors_from(node: Node, earliest) -> set:
+    """``node`` and the nodes it depends on, down to graph position ``earliest`` (a
+    ``compat.node_position``; graph order is a topological order: no earlier node can depend on
+    a reader)."""
+    position = compat.node_position
     seen = {node}
     stack = [node]
     while stack:
         for arg in stack.pop().all_input_nodes:
-            if arg not in seen and order[arg] >= earliest:
+            if arg not in seen and position(arg) >= earliest:
                 seen.add(arg)
                 stack.append(arg)
     return seen

@@ -125,6 +125,25 @@ class _Vote:
         return bool(self.flag.item())
 
 
+class _TrackedEnv(dict):
+    """The interpreter's node -> value map, also keeping each live value's tensor storages
+    (``storages``; only when ``track``: the CPU working set is measured from them)."""
+
+    def __init__(self, track: bool):
+        super().__init__()
+        self.track = track
+        self.storages: Dict[Node, List[Any]] = {}
+
+    def __setitem__(self, node: Node, value: Any) -> None:
+        super().__setitem__(node, value)
+        if self.track:
+            self.storages[node] = [t.untyped_storage() for t in _tensors(value)]
+
+    def __delitem__(self, node: Node) -> None:
+        super().__delitem__(node)
+        self.storages.pop(node, None)
+
+
 class GraphProfiler(Interpreter):
     """Runs ``gm`` once on real inputs and records a :class:`GraphProfile`.
 
@@ -151,7 +170,21 @@ class GraphProfiler(Interpreter):
     def _memory(self) -> int:
         if self.cuda:
             return torch.cuda.memory_allocated(self.device)
-        return _bytes([t for v in self.env.values() for t in _tensors(v)])
+        # The storages of each live value are listed once, when the value is stored; their sizes
+        # are read now (a gathered buffer may have been freed since). Listing them from the
+        # values at every node made the CPU profile quadratic in the graph's size.
+        seen, total = set(), 0
+        for storages in self.env.storages.values():
+            for storage in storages:
+                key = storage.data_ptr()
+                if key in seen:
+                    continue
+                nbytes = storage.nbytes()
+                if nbytes == 0:
+                    continue
+                seen.add(key)
+                total += nbytes
+        return total
 
     # ---- interpreter hooks -----------------------------------------------------------------
 
@@ -196,8 +229,9 @@ class GraphProfiler(Interpreter):
 
     def run(self, *args: Any) -> Any:
         self._pending = None
+        self.env = _TrackedEnv(not self.cuda)
         self._last_mem = self._memory()
-        result = super().run(*args)
+        result = super().run(*args, initial_env=self.env)
         self._settle()
         if self._vote.anyone_failed(self._failed is not None):
             self._abort(self.module.graph.output_node())

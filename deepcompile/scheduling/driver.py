@@ -10,8 +10,10 @@ Timeline for the default ZeRO-3 schedule (``warmup_steps`` W, passes P):
   persistent set is chosen and applied (``set_persistent``), prefetch plans are kept for the
   recompile, and the module is recompiled with a fresh backend (``compiler/compiled_module.py``;
   Dynamo caches per backend, so nothing else is thrown away);
-* step W (first micro-step): the new graphs are profiled again to *measure* the plan; the schedule
-  report (``compile.report_dir`` / ``compile.debug_log``) then shows predicted vs measured peaks.
+* step W (first micro-step): with ``compile.verify_plan``, the new graphs are profiled again to
+  *measure* the plan; the schedule report (``compile.report_dir`` / ``compile.debug_log``) then
+  shows predicted vs measured peaks. Without it (the default) step W is the first step that runs
+  the planned graphs compiled, and the report says the peaks were not measured.
 
 An entry that is due without a profile (a resumed run past the entry, ``warmup_steps`` 0) keeps
 the current plan one more step while profiling, then switches: the schedule fires on
@@ -221,7 +223,8 @@ class ScheduleDriver:
             for ds_id in persistent_plan.ids:
                 runtime.set_persistent(ds_id, True)
             self.chosen_persistent = persistent_plan.ids
-        self._verify_pending = True
+        # compile.verify_plan: profile the new plan's graphs once (the report's measured peaks).
+        self._verify_pending = bool(self.compile_config.verify_plan)
         self._fresh_profile = False
         self.report.planned(global_steps, entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,
                             self._preview_prefetch() if "prefetch" in entry.passes else {})

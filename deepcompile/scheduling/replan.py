@@ -55,10 +55,12 @@ class HalfPlan:
     ``base``: the graph after the ZeRO pass, before the optional passes; ``compile_later``:
     compiles a graph of this half for its original inputs; ``pending``: the graph to compile at
     the next compiled run (None: the half's code is current); ``strides`` (forward halves): per
-    output, the strides its backward was compiled against (None: not known or not a tensor).
+    output, the strides its backward was compiled against (None: not known or not a tensor);
+    ``key``: the ``plan_key`` of the prefetch plan the half's graph was built with (None: not
+    known, e.g. activation reloads were placed too; the graphs' code is then compared).
     """
 
-    __slots__ = ("base", "graph_id", "phase", "compile_later", "pending", "strides")
+    __slots__ = ("base", "graph_id", "phase", "compile_later", "pending", "strides", "key")
 
     def __init__(self, base: GraphModule, graph_id: int, phase: str, compile_later: Callable[[GraphModule], Callable]):
         self.base = base
@@ -67,6 +69,7 @@ class HalfPlan:
         self.compile_later = compile_later
         self.pending: Optional[GraphModule] = None
         self.strides: Optional[List[Optional[Tuple[int, ...]]]] = None
+        self.key: Optional[Tuple] = None
 
     def defer(self, gm: GraphModule) -> None:
         """Compile ``gm`` at the next compiled run instead of now."""
@@ -85,6 +88,7 @@ class HalfPlan:
         """Compile the pending graph; returns (profiled graph, code) the half runs from now on."""
         gm, self.pending = self.pending, None
         profiled = _copy(gm)  # the inner compiler may rewrite gm in place
+        gm.recompile()  # its code was left stale by the passes (the profiler needs none)
         compiled = self.compile_later(gm)
         if self.phase == "forward" and self.strides is not None:
             compiled = _with_strides(compiled, self.strides, inductor_output_strides(compiled), self.graph_id)
@@ -133,10 +137,27 @@ def _with_strides(compiled: Callable, wanted: List, got: Optional[List], graph_i
     return restrided
 
 
+def plan_key(plan: Any) -> Tuple:
+    """What a prefetch plan writes into a graph (``passes/prefetch.py``): per group, its launch
+    point and its gathers. The same key on the same base graph gives the same graph."""
+    if plan is None:
+        return ()
+    return tuple((group.launch_before, tuple((g.node.args[0].name, g.ds_id, g.dtype) for g in group.gathers))
+                 for group in plan.groups)
+
+
 def replan(half: Any, driver: Any) -> bool:
     """Re-apply the optional passes of the driver's current plan to ``half`` (a
-    ``compiler.backend._ProfiledCallable`` with a ``plan``); True if its graph changed."""
+    ``compiler.backend._ProfiledCallable`` with a ``plan``); True if its graph changed.
+
+    A half whose graph is its base plus a prefetch plan compares plans: no copy, no code
+    generated when they agree. Others (activation reloads placed from a profile) build the new
+    graph and compare its code."""
     plan_state: HalfPlan = half.plan
+    if plan_state.key is not None:
+        key = plan_key(driver.prefetch_plan(plan_state.base, half.signature))
+        if key == plan_state.key:
+            return False  # same graph: keep the compiled code (or the deferred compile)
     gm = _copy(plan_state.base)
     plan = driver.prefetch_plan(gm, half.signature)
     if plan is not None:
@@ -146,10 +167,14 @@ def replan(half: Any, driver: Any) -> bool:
         times = offload_activation.profiled_times(driver.profiles.get(half.signature))
         if times is not None:
             offload_activation.place_reloads(gm, times, bandwidth.host_to_device_bytes_per_s(driver.device))
-    gm.recompile()
-    if gm.code == half.gm.code:
-        return False  # same graph: keep the compiled code (or the deferred compile)
-    half.gm = _copy(gm)
+    if plan_state.key is None:
+        gm.recompile()
+        half.gm.recompile()  # its code may be stale (passes ran after its last code generation)
+        if gm.code == half.gm.code:
+            return False
+    else:
+        plan_state.key = plan_key(plan)
+    half.gm = gm  # profiled as it is; compile_pending copies it before the inner compiler
     half.compiled = None
     plan_state.defer(gm)
     return True

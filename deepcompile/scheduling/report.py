@@ -185,7 +185,9 @@ class ScheduleReport:
             lines.append(
                 f"  graph {g['graph_id']} {g['graph']}: profiled {g['profiled_time_ms']:.2f} ms, "
                 f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
-                f"measured {_mib(g['measured_peak_bytes'])}"
+                + (f"measured {_mib(g['measured_peak_bytes'])}" if g["measured_peak_bytes"] is not None
+                   else "measured n/a" if getattr(self.compile_config, "verify_plan", True)
+                   else "not measured (compile.verify_plan off)")
                 + ("" if g["profile_complete"] else f" [profile incomplete: {g['profile_error']}]")
             )
             for grp in g["prefetch"] or []:
