@@ -4,12 +4,9 @@
 # gpu test: the device memory a save and a load of an offloaded ZeRO-3 engine take), printing the
 # measured peaks (-s). Logs go to $OUT (or ./gpu-logs): pytest_offload_state_access.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpu_build
 DC_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -s -rs tests/test_offload_state_access.py -k gpu -p no:cacheprovider \
   2>&1 | tee "$OUT/pytest_offload_state_access.log" | tail -20
 exit "${PIPESTATUS[0]}"
