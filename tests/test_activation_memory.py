@@ -489,8 +489,18 @@ def _gpu_memory_body(ctx, steps=3):
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert losses_on == losses_off, (losses_on, losses_off)
+    embedding = [k for k in params_off if k.endswith("embed_tokens.weight")]
     for k in params_off:
-        assert torch.equal(params_on[k], params_off[k]), k
+        if k not in embedding:
+            assert torch.equal(params_on[k], params_off[k]), k
+    for k in embedding:
+        # On the H100 (torch 2.11) deterministic mode made every loss and every other weight
+        # bitwise, but the embedding's last update still differed: Inductor's own scatter-add
+        # kernel for its gradient accumulates with atomics whatever the mode. A last-bit
+        # difference of a near-zero gradient can change that Adam update by its whole size, a
+        # small multiple of lr in the first steps; lr x steps bounds it. A wrong or stale
+        # activation would move the losses and the other weights.
+        assert float((params_on[k] - params_off[k]).abs().max()) <= 1e-3 * steps, k
     offloaded = report["offloaded_bytes"]
     saved = peak_off - peak_on
     print(f"GPU activation offload: peak {peak_off} -> {peak_on} bytes (saved {saved}); offloaded {offloaded} bytes "

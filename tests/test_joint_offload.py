@@ -42,7 +42,9 @@ class _Wide(nn.Module):
 def _config(budget=None, offload=True):
     cfg = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0,
                                  "sub_group_size": 1000},
-           "compile": {"warmup_steps": 2},
+           # verify_plan: the switched schedule's first micro-step is profiled, so the joint plan
+           # can read how far the switch moved the peak (without it nothing is measured there).
+           "compile": {"warmup_steps": 2, "verify_plan": True},
            # The optimizer step's time, which hides the streamed step's reloads, is measured only
            # under wall_clock_breakdown (the forward and backward come from the profile).
            "wall_clock_breakdown": True}

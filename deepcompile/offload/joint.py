@@ -158,9 +158,13 @@ class JointOffload:
         self._switch_seen = report["step"]
         graphs = report["graphs"]
         before = max((g["profiled_peak_bytes"] or 0 for g in graphs), default=0)
-        after = max((g["measured_peak_bytes"] or 0 for g in graphs), default=0)
+        measured = [g["measured_peak_bytes"] for g in graphs if g["measured_peak_bytes"] is not None]
+        # Without a verify profile (compile.verify_plan off, the default) the switched schedule's
+        # peak is not measured: no move can be read (a missing reading is not a peak of 0).
+        after = max(measured) if measured else None
         # Left out: what the plans kept on the device at each measurement (they may differ).
-        moved = (after - self._resident_at.get("verify", 0)) - (before - self._resident_at.get("plan", 0))
+        moved = 0 if after is None else \
+            (after - self._resident_at.get("verify", 0)) - (before - self._resident_at.get("plan", 0))
         reasons = []
         if moved:
             if self.offload.device.type == "cuda":
