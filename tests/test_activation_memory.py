@@ -433,7 +433,13 @@ class _WideLlama(nn.Module):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                          # Not sdpa: torch documents the fused attention backwards on CUDA as
+                          # non-deterministic (the query gradient is accumulated across key
+                          # blocks), which fits what the H100 showed with sdpa: losses bitwise,
+                          # layers.0.self_attn.q_proj.weight not. Eager attention (matmuls and a
+                          # softmax) is deterministic.
+                          attn_implementation="eager")
         self.model = LlamaForCausalLM(cfg)
 
     def forward(self, tokens, targets):
