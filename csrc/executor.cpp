@@ -10,6 +10,12 @@ CustomOpExecutor::CustomOpExecutor(ExecutorContext context, GraphId graph_id, st
     : ctx_(std::move(context)), graph_id_(graph_id), ids_(std::move(ids)), id_set_(ids_.begin(), ids_.end()),
       stage_(stage) {}
 
+DsId CustomOpExecutor::idAtSlot(int64_t slot, const char* op) const {
+  TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(ids_.size()), "dc.", op, ": slot ", slot,
+              " is out of range for graph ", graph_id_, ", which has ", ids_.size(), " parameter slots");
+  return ids_[slot];
+}
+
 DSParam& CustomOpExecutor::param(DsId id, const char* op) {
   TORCH_CHECK(hasParam(id), "dc.", op, ": ds id ", id, " is not a parameter of graph ", graph_id_,
               " (registered ids: ", ids_.size(), ")");

@@ -84,6 +84,63 @@ void free_tensors(at::TensorList tensors) {
   }
 }
 
+// ---- "slot" overloads: the graph and the parameter are data, not constants.
+//
+// Compiled code shared by several parameter sets (identical decoder layers compiled once, as
+// FSDP2 does) cannot carry ds ids as constants. These overloads take the graph instance as a
+// one-element int64 CPU tensor (an input of the compiled graph, saved for its backward) and a
+// parameter by its slot in that graph; each instance is registered as a graph of its own, with
+// its ds ids in slot order (register_graph), so everything behind the lookup is unchanged. A
+// zero-dimensional CPU tensor may sit beside device tensors in one op (fake tensor device
+// propagation and the dispatcher both allow it) and is read on the host without a sync.
+
+GraphId graphOf(const at::Tensor& graph, const char* op) {
+  TORCH_CHECK(graph.defined() && graph.device().is_cpu() && graph.scalar_type() == at::kLong && graph.dim() == 0,
+              "dc.", op, ": the graph argument must be a zero-dimensional int64 CPU tensor holding a graph id");
+  return *graph.const_data_ptr<int64_t>();
+}
+
+at::Tensor allgather_param_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot,
+                                std::optional<at::ScalarType> dtype) {
+  Runtime& rt = currentRuntime();
+  const GraphId graph_id = graphOf(graph, "allgather_param");
+  return allgather_param(a, graph_id, rt.z3Executor(graph_id, "allgather_param").idAtSlot(slot, "allgather_param"),
+                         dtype);
+}
+
+void prefetch_params_fused_slot(const at::Tensor& graph, at::TensorList params, at::IntArrayRef slots,
+                                std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
+  const GraphId graph_id = graphOf(graph, "prefetch_params_fused");
+  Z3Executor& ex = currentRuntime().z3Executor(graph_id, "prefetch_params_fused");
+  std::vector<int64_t> ids;
+  ids.reserve(slots.size());
+  for (int64_t slot : slots) ids.push_back(ex.idAtSlot(slot, "prefetch_params_fused"));
+  prefetch_params_fused(graph_id, params, ids, dtypes);
+}
+
+at::Tensor wait_allgather_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot) {
+  const GraphId graph_id = graphOf(graph, "wait_allgather");
+  Z3Executor& ex = currentRuntime().z3Executor(graph_id, "wait_allgather");
+  ex.wait(ex.idAtSlot(slot, "wait_allgather"));
+  return a.alias();
+}
+
+at::Tensor release_param_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot, int64_t n_users) {
+  const GraphId graph_id = graphOf(graph, "release_param");
+  Z3Executor& ex = currentRuntime().z3Executor(graph_id, "release_param");
+  ex.release(ex.idAtSlot(slot, "release_param"), n_users);
+  return a.alias();
+}
+
+at::Tensor reduce_grad_slot(const at::Tensor& grad, const at::Tensor& graph, int64_t slot) {
+  const GraphId graph_id = graphOf(graph, "reduce_grad");
+  return reduce_grad(grad, graph_id, currentRuntime().executor(graph_id, "reduce_grad").idAtSlot(slot, "reduce_grad"));
+}
+
+void end_backward_slot(at::TensorList deps, const at::Tensor& graph, bool release_reduce_buckets) {
+  currentRuntime().endBackward(graphOf(graph, "end_backward"), release_reduce_buckets);
+}
+
 // ---- Meta kernels: shapes and dtypes from the inputs, so that tracing does not depend on what
 // the live runtime holds.
 
@@ -112,6 +169,26 @@ void end_backward_meta(at::TensorList, int64_t, bool) {}
 
 void free_tensors_meta(at::TensorList) {}
 
+at::Tensor allgather_param_slot_meta(const at::Tensor& a, const at::Tensor&, int64_t,
+                                     std::optional<at::ScalarType> dtype) {
+  // The graph tensor has no data under tracing, so the registry cannot supply a default dtype.
+  TORCH_CHECK(dtype.has_value(), "dc.allgather_param.slot: the dtype must be given");
+  return at::empty(a.sizes(), a.options().dtype(*dtype));
+}
+
+void prefetch_params_fused_slot_meta(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                     std::optional<at::ArrayRef<at::ScalarType>>) {}
+
+at::Tensor passthrough_slot_meta(const at::Tensor& a, const at::Tensor&, int64_t) { return a.alias(); }
+
+at::Tensor release_param_slot_meta(const at::Tensor& a, const at::Tensor&, int64_t, int64_t) { return a.alias(); }
+
+at::Tensor reduce_grad_slot_meta(const at::Tensor& grad, const at::Tensor&, int64_t) {
+  return at::empty({0}, grad.options());
+}
+
+void end_backward_slot_meta(at::TensorList, const at::Tensor&, bool) {}
+
 }  // namespace
 
 TORCH_LIBRARY(dc, m) {
@@ -122,6 +199,12 @@ TORCH_LIBRARY(dc, m) {
   m.def("reduce_grad(Tensor a, int graph_id, int id) -> Tensor");
   m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()");
   m.def("free_tensors(Tensor(a!)[] a) -> ()");
+  m.def("allgather_param.slot(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor");
+  m.def("prefetch_params_fused.slot(Tensor graph, Tensor[] params, int[] slots, ScalarType[]? dtypes=None) -> ()");
+  m.def("wait_allgather.slot(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)");
+  m.def("release_param.slot(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)");
+  m.def("reduce_grad.slot(Tensor a, Tensor graph, int slot) -> Tensor");
+  m.def("end_backward.slot(Tensor[] deps, Tensor graph, bool release_reduce_buckets) -> ()");
 }
 
 #define DC_REGISTER_DEVICE_KERNELS(m)                    \
@@ -140,6 +223,13 @@ TORCH_LIBRARY_IMPL(dc, CUDA, m) { DC_REGISTER_DEVICE_KERNELS(m); }
 TORCH_LIBRARY_IMPL(dc, CompositeExplicitAutograd, m) {
   m.impl("prefetch_params_fused", &prefetch_params_fused);
   m.impl("end_backward", &end_backward);
+  // The slot overloads mix a CPU graph tensor with device tensors: one kernel for every device.
+  m.impl("allgather_param.slot", &allgather_param_slot);
+  m.impl("prefetch_params_fused.slot", &prefetch_params_fused_slot);
+  m.impl("wait_allgather.slot", &wait_allgather_slot);
+  m.impl("release_param.slot", &release_param_slot);
+  m.impl("reduce_grad.slot", &reduce_grad_slot);
+  m.impl("end_backward.slot", &end_backward_slot);
 }
 
 TORCH_LIBRARY_IMPL(dc, Meta, m) {
@@ -150,6 +240,12 @@ TORCH_LIBRARY_IMPL(dc, Meta, m) {
   m.impl("reduce_grad", &reduce_grad_meta);
   m.impl("end_backward", &end_backward_meta);
   m.impl("free_tensors", &free_tensors_meta);
+  m.impl("allgather_param.slot", &allgather_param_slot_meta);
+  m.impl("prefetch_params_fused.slot", &prefetch_params_fused_slot_meta);
+  m.impl("wait_allgather.slot", &passthrough_slot_meta);
+  m.impl("release_param.slot", &release_param_slot_meta);
+  m.impl("reduce_grad.slot", &reduce_grad_slot_meta);
+  m.impl("end_backward.slot", &end_backward_slot_meta);
 }
 
 }  // namespace deepcompile

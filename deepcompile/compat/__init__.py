@@ -30,6 +30,7 @@ from deepcompile.compat.aot import (
     mark_must_recompute,
     min_cut_partition,
     partition_forward_output_count,
+    save_forward_input_for_backward,
     saved_forward_inputs,
 )
 from deepcompile.compat.dynamo import (
@@ -59,7 +60,13 @@ from deepcompile.compat.inductor import (
     inductor_joint_graph_passes,
     protect_runtime_buffers_in_inductor,
 )
-from deepcompile.compat.modules import direct_buffers, direct_parameters, swap_parameter
+from deepcompile.compat.modules import (
+    direct_buffers,
+    direct_parameters,
+    register_global_forward_hook,
+    register_global_forward_pre_hook,
+    swap_parameter,
+)
 from deepcompile.compat.streams import stream_from_ids
 from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id, weak_id_key_dictionary
 
@@ -96,12 +103,15 @@ __all__ = [
     "protect_runtime_buffers_in_inductor",
     "register_backend",
     "returns_view_of_input",
+    "save_forward_input_for_backward",
     "saved_forward_inputs",
     "set_eager_input_vals",
     "set_traced_value",
     "shares_storage",
     "storage_id",
     "stream_from_ids",
+    "register_global_forward_hook",
+    "register_global_forward_pre_hook",
     "swap_parameter",
     "tree_leaves",
     "traced_value",

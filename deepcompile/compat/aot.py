@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional, TypeVar
 
+import torch
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -106,3 +107,44 @@ def is_incoming_gradient(placeholder: Node) -> bool:
     """True for a backward placeholder that is an incoming gradient (aot_autograd names them
     ``tangents_1`` ...), False for a value saved by the forward."""
     return placeholder.op == "placeholder" and placeholder.name.startswith(_TANGENT_PREFIX)
+
+
+def save_forward_input_for_backward(forward: GraphModule, backward: GraphModule, input_index: int,
+                                    num_fwd_outputs: int, name: str) -> Node:
+    """Make forward input ``input_index`` a value saved for the backward, as the first saved
+    tensor, and return the backward's new placeholder for it (named ``name``).
+
+    Relies on aot_autograd's partition layout: the forward returns its ``num_fwd_outputs``
+    outputs, then the saved tensors, then saved symbolic ints; the backward takes the saved
+    symbolic ints, then the saved tensors, then the incoming gradients. aot_autograd counts the
+    saved values from the graphs after the partition function returns, so adding one there is
+    consistent. The output descriptors (``meta["desc"]``, one per output) get one more entry.
+    """
+    source = forward_inputs(forward)[input_index]
+    output = forward.graph.output_node()
+    outputs = list(output.args[0])
+    outputs.insert(num_fwd_outputs, source)
+    output.args = (tuple(outputs),)
+    descs = output.meta.get("desc")
+    if isinstance(descs, list) and len(descs) == len(outputs) - 1 and len(descs) > num_fwd_outputs:
+        descs.insert(num_fwd_outputs, descs[num_fwd_outputs])
+    elif isinstance(descs, list) and len(descs) == len(outputs) - 1:
+        output.meta.pop("desc")  # nothing saved before: no descriptor of a saved value to copy
+
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    leading_symbols = 0
+    for node in placeholders:
+        if isinstance(node.meta.get("val"), torch.SymInt):
+            leading_symbols += 1
+        else:
+            break
+    if leading_symbols < len(placeholders):
+        with backward.graph.inserting_before(placeholders[leading_symbols]):
+            saved = backward.graph.placeholder(name)
+    else:
+        with backward.graph.inserting_after(placeholders[-1]) if placeholders else backward.graph.inserting_before():
+            saved = backward.graph.placeholder(name)
+    saved.meta["val"] = source.meta.get("val")
+    forward.recompile()
+    backward.recompile()
+    return saved

@@ -39,15 +39,10 @@ def mark_ops_side_effectful() -> None:
     from torch.fx.node import has_side_effect
 
     dc = torch.ops.dc
-    for op in (
-        dc.end_backward.default,
-        dc.reduce_grad.default,
-        dc.release_param.default,
-        dc.prefetch_params_fused.default,
-        dc.wait_allgather.default,
-        dc.free_tensors.default,
-    ):
-        has_side_effect(op)
+    for packet in (dc.end_backward, dc.reduce_grad, dc.release_param, dc.prefetch_params_fused, dc.wait_allgather):
+        has_side_effect(packet.default)
+        has_side_effect(packet.slot)  # ids as data (passes/slot_ops.py)
+    has_side_effect(dc.free_tensors.default)
     from deepcompile.offload import activation_ops  # registers the activation-offload ops
 
     for op in (activation_ops.OFFLOAD, activation_ops.RELOAD, activation_ops.WAIT, activation_ops.FREE_AFTER):

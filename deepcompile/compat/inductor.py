@@ -122,9 +122,10 @@ def protect_runtime_buffers_in_inductor() -> None:
         register_lowering(op, type_promotion_kind=None)(lowering)
 
     dc = torch.ops.dc
-    lower(dc.allgather_param.default, protect_inputs=False, protect_outputs=True)
-    lower(dc.wait_allgather.default, protect_inputs=True, protect_outputs=True)
-    lower(dc.reduce_grad.default, protect_inputs=True, protect_outputs=True)
+    for overload in ("default", "slot"):  # ids as constants, or as data (passes/slot_ops.py)
+        lower(getattr(dc.allgather_param, overload), protect_inputs=False, protect_outputs=True)
+        lower(getattr(dc.wait_allgather, overload), protect_inputs=True, protect_outputs=True)
+        lower(getattr(dc.reduce_grad, overload), protect_inputs=True, protect_outputs=True)
     _INDUCTOR_PROTECTED = True
 
 

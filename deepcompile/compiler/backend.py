@@ -33,14 +33,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from deepcompile import compat, debug_checks, runtime
-from deepcompile.compiler.graph_variants import ParameterBoundGraph, binding_of
-from deepcompile.compiler.partitioner import make_partition_fn
+from deepcompile.compiler.graph_instances import GraphInstance, SharedGraph, Template, binding_of
+from deepcompile.compiler.partitioner import GRAPH_INPUT_NAME, make_partition_fn
 from deepcompile.passes import offload_activation
 from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
 from deepcompile.passes.free_activation import insert_frees
 from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.reduce import insert_reductions
 from deepcompile.passes.saved_values import saved_values
+from deepcompile.passes.slot_ops import rebind, to_slot_ops
 from deepcompile.passes.zero3 import insert_gather_release
 from deepcompile.scheduling import planner, replan
 from deepcompile.zero.sharding import Sharding
@@ -53,9 +54,12 @@ INNER_COMPILERS = ("inductor", "eager")
 class GraphRecord:
     """What the backend knows about one captured graph."""
 
-    def __init__(self, graph_id: int, param_slots: Dict[int, int]):
-        self.graph_id = graph_id
+    def __init__(self, graph_id: int, param_slots: Dict[int, int], instances: Dict[int, GraphInstance]):
+        self.graph_id = graph_id  # the id of the first instance, which the constant form names
         self.param_slots = param_slots  # Dynamo input index -> ds id
+        self.slot_ids = [param_slots[i] for i in sorted(param_slots)]  # ds ids in slot order
+        self.graph_input_index: Optional[int] = None  # the forward input that is the instance
+        self.instances = instances  # graph id -> instance, every instance of the backend
         self.fw_param_names: Dict[str, int] = {}  # forward placeholder name -> ds id
         self.needs_backward = False
         self.reduced_ids: List[int] = []  # ds ids whose gradients the backward reduces, once each
@@ -83,32 +87,53 @@ class DeepCompileBackend:
         self._ds_id_of = ds_id_of
         # For code that must run eagerly: leaves, graphs run with gathered parameters (ZeRO-3).
         self._sharding = sharding
-        self._bound_graphs: List[ParameterBoundGraph] = []
+        self._shared_graphs: List[SharedGraph] = []
+        self.instances: Dict[int, GraphInstance] = {}  # graph id -> instance (compiler/graph_instances.py)
         # compile.free_activation / offload_activation (offload/activations.py), or None.
         self.activations = activations
         compat.mark_ops_side_effectful()
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
-        pristine = _copy_graph_module(gm)  # compiled again for other parameters (graph_variants.py)
-        compiled = self._compile_graph(gm, example_inputs)
-        bound = ParameterBoundGraph(pristine, compiled, binding_of(example_inputs, self._ds_id_of), self._ds_id_of,
-                                    self._compile_graph, _copy_graph_module)
-        self._bound_graphs.append(bound)
-        return bound
+        # Dynamo keeps using ``gm`` after this returns: the template compiles a copy (it gains an
+        # input), and another copy stays as captured, for other parameter positions.
+        pristine = _copy_graph_module(gm)
+        compiled, first, shared = self._compile_template(_copy_graph_module(gm), list(example_inputs))
+        positions = tuple(i for i, _ in binding_of(example_inputs, self._ds_id_of))
+        graph = SharedGraph(pristine, Template(compiled, first, positions, shared), self._ds_id_of,
+                            self._compile_template, self._new_instance, _copy_graph_module)
+        self._shared_graphs.append(graph)
+        return graph
 
-    def _compile_graph(self, gm: GraphModule, example_inputs: List[Any]):
-        """aot_autograd with our compilers, for the parameters found in ``example_inputs``."""
+    def _new_instance(self, template_ids: List[int], slot_ids: List[int]) -> GraphInstance:
+        """Another parameter set for compiled code: a graph id of its own, registered with the
+        runtime with ``slot_ids`` (compiler/graph_instances.py)."""
+        graph_id = next(self._next_graph_id)
+        runtime.register_graph(graph_id, slot_ids, stage=self.stage)
+        instance = GraphInstance(graph_id, slot_ids, template_ids)
+        self.instances[graph_id] = instance
+        return instance
+
+    def _compile_template(self, gm: GraphModule, example_inputs: List[Any]):
+        """aot_autograd with our compilers, for the parameters found in ``example_inputs``.
+        Returns (code taking the inputs plus the instance, the first instance, whether the code
+        can run other instances)."""
         slots = {i: self._ds_id_of[id(t)] for i, t in enumerate(example_inputs) if id(t) in self._ds_id_of}
-        record = GraphRecord(next(self._next_graph_id), slots)
+        record = GraphRecord(next(self._next_graph_id), slots, self.instances)
         self.graphs.append(record)
-        runtime.register_graph(record.graph_id, sorted(set(slots.values())), stage=self.stage)
+        runtime.register_graph(record.graph_id, record.slot_ids, stage=self.stage)
+        first = GraphInstance(record.graph_id, record.slot_ids, record.slot_ids)
+        self.instances[record.graph_id] = first
         if self.stage == 3:
             copied = copy_param_views_in_outputs(gm, slots)
             if copied:
                 log.debug("graph %d returns views of partitioned parameters to eager code, as copies: %s",
                           record.graph_id, copied)
+        record.graph_input_index = len(example_inputs)
+        _add_graph_input(gm)
+        example_inputs = [*example_inputs, first.graph_tensor]
         partition = make_partition_fn(set(slots) if self.stage == 3 else None, joint_passes=self.inner == "inductor",
-                                      on_forward_outputs=functools.partial(setattr, record, "num_fwd_outputs"))
+                                      on_forward_outputs=functools.partial(setattr, record, "num_fwd_outputs"),
+                                      graph_input_index=record.graph_input_index)
         decompositions = None
         if self.inner == "inductor":
             compat.protect_runtime_buffers_in_inductor()
@@ -120,12 +145,12 @@ class DeepCompileBackend:
             decompositions=decompositions,
         )
         try:
-            return backend(gm, example_inputs)
+            return backend(gm, example_inputs), first, True
         except Exception:
             fallback = self._graph_not_compiled(gm, slots, example_inputs)
             if fallback is None:
                 raise
-            return fallback
+            return fallback, first, False
 
     def _graph_not_compiled(self, gm: GraphModule, slots: Dict[int, int], example_inputs: List[Any]):
         """aot_autograd failed on this graph. Dynamo would split it and run the failing part
@@ -162,14 +187,15 @@ class DeepCompileBackend:
         self.driver = None
         self._ds_id_of = {}
         self._sharding = None
-        for bound in self._bound_graphs:
-            bound.detach()
-        self._bound_graphs = []
+        for graph in self._shared_graphs:
+            graph.detach()
+        self._shared_graphs = []
 
     # ---- halves ------------------------------------------------------------------------------
 
     def _compile_forward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         placeholders = compat.forward_inputs(gm)
+        _check_graph_input(placeholders, record.graph_input_index, record.graph_id)
         params: Dict[Node, int] = {}
         for index, ds_id in record.param_slots.items():
             node = placeholders[index]
@@ -184,7 +210,7 @@ class DeepCompileBackend:
             if act.offload:
                 record.offload_sites = offload_activation.insert_offloads(
                     gm, record.saved, act.device.type, act.min_offload_bytes)
-        return self._finish(record, "forward", gm, inputs)
+        return self._finish(record, "forward", gm, inputs, record.graph_input_index)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         record.needs_backward = True
@@ -203,13 +229,18 @@ class DeepCompileBackend:
                 offload_activation.insert_reloads(gm, record.offload_sites)
             if act.free:
                 insert_frees(gm, record.saved, act.free_threshold)
-        return self._finish(record, "backward", gm, inputs)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        graph_arg = next((i for i, n in enumerate(placeholders) if n.name == GRAPH_INPUT_NAME), None)
+        if graph_arg is None:
+            raise RuntimeError(f"deepcompile: the backward of graph {record.graph_id} did not receive its instance")
+        return self._finish(record, "backward", gm, inputs, graph_arg)
 
-    def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any]):
+    def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any], graph_arg: int):
         """Schedule-driven passes, then the inner compiler, wrapped for profiling.
 
         The graph's Python code is generated once, right before the inner compiler; the
-        profiler interprets the graph and needs none."""
+        profiler interprets the graph (ids as constants) and needs none. ``graph_arg``: the
+        input that is the graph instance."""
         signature = planner.graph_signature(phase, gm)
         is_backward = phase == "backward"
         if is_backward and record.offload_sites:
@@ -221,7 +252,8 @@ class DeepCompileBackend:
             base = _copy_graph_module(gm)
             self.driver.note_graph(signature, base)
             if not replan.has_symbolic_sizes(inputs):  # scheduling/replan.py: why not otherwise
-                half_plan = replan.HalfPlan(base, record.graph_id, phase, self._compiler_for_later(inputs, is_backward))
+                half_plan = replan.HalfPlan(base, record.graph_id, phase,
+                                            self._compiler_for_later(record, inputs, is_backward, graph_arg))
             plan = self.driver.prefetch_plan(gm, signature)
             if plan is not None:
                 apply_prefetch(gm, record.graph_id, plan)
@@ -235,22 +267,30 @@ class DeepCompileBackend:
             half_plan.defer(gm)
         else:
             profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
-            gm.recompile()
+            _lower_to_slots(record, gm, graph_arg)
             compiled = self._inner_compile(gm, inputs, is_backward=is_backward)
             if half_plan is not None:
                 half_plan.compiled_now(compiled)
         reduces = record.reduced_ids if is_backward else []
-        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, reduces, half_plan)
+        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, graph_arg, reduces, half_plan)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
             return compat.boxed(gm.forward)
         return compat.inductor_compile(gm, inputs, is_backward=is_backward)
 
-    def _compiler_for_later(self, inputs: List[Any], is_backward: bool) -> Callable[[GraphModule], Callable]:
+    def _compiler_for_later(self, record: GraphRecord, inputs: List[Any], is_backward: bool,
+                            graph_arg: int) -> Callable[[GraphModule], Callable]:
         if self.inner == "eager":
-            return lambda gm: compat.boxed(gm.forward)
-        return compat.inductor_compiler_for_later(inputs, is_backward=is_backward)
+            inner = lambda gm: compat.boxed(gm.forward)  # noqa: E731
+        else:
+            inner = compat.inductor_compiler_for_later(inputs, is_backward=is_backward)
+
+        def compile_later(gm: GraphModule) -> Callable:
+            _lower_to_slots(record, gm, graph_arg)
+            return inner(gm)
+
+        return compile_later
 
 
 def _running(modules: List[Any]) -> bool:
@@ -263,6 +303,31 @@ def _running(modules: List[Any]) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _add_graph_input(gm: GraphModule) -> None:
+    """Append the graph-instance input to a captured graph (after its last input). aot_autograd
+    expects every input of a Dynamo graph to carry a source; this one has none, like the inputs
+    of graphs Dynamo's DDP optimizer splits off."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before()
+    with ctx:
+        node = gm.graph.placeholder("dc_graph_instance")
+    node._dynamo_source = None
+    gm.recompile()
+
+
+def _check_graph_input(placeholders: List[Node], index: Optional[int], graph_id: int) -> None:
+    val = placeholders[index].meta.get("val") if index is not None and index < len(placeholders) else None
+    if not (isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.int64 and val.device.type == "cpu"):
+        raise RuntimeError(f"deepcompile: the forward of graph {graph_id} does not take its instance as input "
+                           f"{index} (aot_autograd changed the order of the graph's inputs)")
+
+
+def _lower_to_slots(record: GraphRecord, gm: GraphModule, graph_arg: int) -> None:
+    """Ids become data (passes/slot_ops.py); also generates the graph's code."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    to_slot_ops(gm, record.graph_id, record.slot_ids, placeholders[graph_arg])
 
 
 def _debug_check_placeholders(gm: GraphModule, params: Dict[Node, int], phase: str) -> None:
@@ -297,17 +362,19 @@ class _ProfiledCallable:
     ``compiled`` is None while a compile is pending, done at the next run that is not profiled.
     """
 
-    __slots__ = ("compiled", "gm", "signature", "record", "driver", "reduces", "plan", "__weakref__", "__dict__")
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "graph_arg", "reduces", "plan", "__weakref__",
+                 "__dict__")
 
-    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, reduces: List[int] = (),
-                 plan: Optional[replan.HalfPlan] = None):
+    def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, graph_arg: int,
+                 reduces: List[int] = (), plan: Optional[replan.HalfPlan] = None):
         compat.mark_boxed(self)
         self.compiled = compiled
         self.gm = gm
         self.signature = signature
         self.record = record
         self.driver = driver
-        self.reduces = list(reduces)  # ds ids this half hands to reduce_grad once per run
+        self.graph_arg = graph_arg  # the input that is the graph instance
+        self.reduces = list(reduces)  # ds ids (first instance) this half hands to reduce_grad once per run
         self.plan = plan
         driver.track(self)
 
@@ -319,14 +386,29 @@ class _ProfiledCallable:
         # Boxed (one list, from aot_autograd) or unboxed (a wrapper that did not keep the boxed
         # flag); graph inputs are tensors and symbolic ints, never lists.
         boxed = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.driver is None:
+        driver = self.driver
+        if driver is None:
             raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
-        if self.reduces:
-            debug_checks.note_reductions(self.reduces)
-        if self.driver.wants_profile(self.signature):
-            return self.driver.run_profiled(self.gm, boxed, self.run_compiled, self.signature, self.record.graph_id,
-                                            list(self.record.param_slots.values()))
+        checking = bool(self.reduces) and debug_checks.LEDGER is not None
+        if driver.mode is None and not checking:
+            return self.run_compiled(boxed)
+        instance = self.record.instances[int(boxed[self.graph_arg])]
+        first = instance.graph_id == self.record.graph_id
+        if checking:
+            debug_checks.note_reductions(self.reduces if first else instance.ds_ids(self.reduces))
+        signature = self.signature if first else _instance_signature(self.signature, instance)
+        if driver.wants_profile(signature):
+            gm = self.gm if first else self._rebound(instance, signature)
+            return driver.run_profiled(gm, boxed, self.run_compiled, signature, instance.graph_id, instance.slot_ids)
         return self.run_compiled(boxed)
+
+    def _rebound(self, instance: GraphInstance, signature) -> GraphModule:
+        """This half's graph (constant form) for another instance, for the profiler; the driver
+        also learns the instance's graph, so that its parameters count in the plans."""
+        id_map = instance.id_map()
+        base = self.plan.base if self.plan is not None else self.gm
+        self.driver.note_graph(signature, rebind(base, self.record.graph_id, instance.graph_id, id_map))
+        return rebind(self.gm, self.record.graph_id, instance.graph_id, id_map)
 
     def run_compiled(self, boxed: List[Any]):
         if self.compiled is None:
@@ -335,3 +417,10 @@ class _ProfiledCallable:
 
     def detach(self) -> None:
         self.compiled = self.gm = self.driver = self.plan = None
+
+
+def _instance_signature(signature: tuple, instance: GraphInstance) -> tuple:
+    """``planner.graph_signature`` of the first instance's graph, for ``instance``: the same
+    graph with its ds ids."""
+    phase, gathered, size = signature
+    return (phase, tuple(instance.ds_id(i) for i in gathered), size)

@@ -11,6 +11,10 @@ after the pass those would be views of the *gathered* buffer, pinning it until b
 every view/cast chain that starts at a parameter as must-recompute makes the partitioner save
 the parameter input itself (free: it is an input) and recompute the views in backward, where the
 pass re-gathers the parameter.
+
+The graph's instance input (compiler/graph_instances.py: which parameter set a shared graph runs
+for) is read by the runtime ops of the backward too, so it is made a saved value after the
+partition: nothing in the joint graph reads it, since the ops are inserted into the halves.
 """
 
 from __future__ import annotations
@@ -39,21 +43,34 @@ def mark_parameter_views_recompute(joint: GraphModule, param_input_indices: Set[
     return len(marked)
 
 
+GRAPH_INPUT_NAME = "dc_graph"  # the backward's placeholder for the saved instance input
+
+
 def make_partition_fn(param_input_indices: Optional[Set[int]], joint_passes: bool,
-                      on_forward_outputs: Optional[Callable[[Optional[int]], None]] = None) -> Callable:
+                      on_forward_outputs: Optional[Callable[[Optional[int]], None]] = None,
+                      graph_input_index: Optional[int] = None) -> Callable:
     """aot_autograd's min-cut partitioner after Inductor's joint-graph passes (``joint_passes``)
     and, for ZeRO-3 (``param_input_indices`` not None), the recompute marks on parameter views.
     The marks come after the passes: a pattern rewrite could replace a marked node by an unmarked
     one. ``on_forward_outputs`` hears how many forward outputs the caller sees (the rest are
-    saved for backward: passes/saved_values.py)."""
+    saved for backward: passes/saved_values.py). ``graph_input_index``: the forward input that
+    names the graph instance, saved for the backward as placeholder ``GRAPH_INPUT_NAME``."""
 
     def partition(joint_module: GraphModule, joint_inputs, **kwargs):
+        num_fwd_outputs = compat.partition_forward_output_count(kwargs)
         if on_forward_outputs is not None:
-            on_forward_outputs(compat.partition_forward_output_count(kwargs))
+            on_forward_outputs(num_fwd_outputs)
         if joint_passes:
             joint_module = compat.inductor_joint_graph_passes(joint_module, joint_inputs)
         if param_input_indices is not None:
             mark_parameter_views_recompute(joint_module, param_input_indices)
-        return compat.min_cut_partition(joint_module, joint_inputs, **kwargs)
+        forward, backward = compat.min_cut_partition(joint_module, joint_inputs, **kwargs)
+        if graph_input_index is not None:
+            if num_fwd_outputs is None:
+                raise RuntimeError("deepcompile: aot_autograd did not say how many forward outputs the caller sees; "
+                                   "the graph instance input cannot be saved for the backward")
+            compat.save_forward_input_for_backward(forward, backward, graph_input_index, num_fwd_outputs,
+                                                   GRAPH_INPUT_NAME)
+        return forward, backward
 
     return partition

@@ -178,7 +178,7 @@ class ScheduleDriver:
             if self.rank == 0:
                 log.warning("deepcompile: %s; finishing the step with the compiled graph", e)
             # Forget this graph's gather/release bookkeeping, then run it the normal way.
-            runtime.register_graph(graph_id, sorted(set(param_ids)), stage=self.stage)
+            runtime.register_graph(graph_id, list(param_ids), stage=self.stage)  # slot order
             runtime.clear_all_gathered_params()
             return compiled(args)
         args.clear()

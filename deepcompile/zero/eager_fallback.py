@@ -76,17 +76,27 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
-        self._handles = []
-        for sub in module.modules():
-            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None):
-                self._handles.append(sub.register_forward_pre_hook(self._gather))
-                self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
+        # Modules whose own parameters are partitioned. The hooks are global module hooks that
+        # skip every other module: per-module hooks would give each layer hook ids of its own,
+        # which Dynamo guards on, so identical layers compiled one by one would each be
+        # recompiled instead of sharing one graph (compiler/graph_instances.py).
+        self._hooked: Set[int] = {
+            id(sub) for sub in module.modules()
+            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None)
+        }
+        self._handles = [
+            compat.register_global_forward_pre_hook(self._gather),
+            compat.register_global_forward_hook(self._restore, always_call=True),
+        ]
 
     def _gather(self, module: nn.Module, args) -> None:
         # Traced into a compiled caller, or about to be compiled as a frame of its own: the graph
         # gathers. Otherwise the forward runs eagerly, here (torch 2.11 runs a module called from
         # a frame it skipped this way: its forward is torch's own code, not compiled as a frame).
-        if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward):
+        # Under tracing nothing about the module is read first: Dynamo would guard on it.
+        if torch.compiler.is_compiling() or id(module) not in self._hooked:
+            return
+        if compat.will_compile_frame(module.forward):
             return
         self._gather_now(module)
 
@@ -110,8 +120,10 @@ class EagerGatherHooks:
             return _GatherForEager.apply(p, ds_id)
 
     def _restore(self, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         stack = module.__dict__.get("_dc_originals")
-        if torch.compiler.is_compiling() or not stack:
+        if not stack:
             return
         for name, p in stack.pop().items():
             compat.swap_parameter(module, name, p)

@@ -40,7 +40,11 @@ class CustomOpExecutor {
 
   GraphId graphId() const { return graph_id_; }
   int stage() const { return stage_; }
+  // The graph's parameter ids in slot order: slot i is the i-th parameter input of the graph
+  // (register_graph's order). Compiled code shared by several parameter sets names a parameter
+  // by its slot, and each set has an executor of its own (ops.cpp, "slot" overloads).
   const std::vector<DsId>& ids() const { return ids_; }
+  DsId idAtSlot(int64_t slot, const char* op) const;
   bool hasParam(DsId id) const { return id_set_.count(id) != 0; }
   // The registry entry of `id`, after checking it belongs to this graph and has the layout of
   // this graph's stage.

@@ -1,0 +1,93 @@
+"""The last pass before the inner compiler: graph and ds ids become data, so one compiled graph
+serves every parameter set it is called with.
+
+Every pass before this one, the profiler and the planner read the runtime ops with their graph
+id and ds id as constants (``dc.allgather_param(param, graph_id, ds_id)``): the ids of the graph's
+first parameter set. Compiled code, however, is shared by every parameter set the captured graph
+runs for (``compiler/graph_instances.py``): identical decoder layers, compiled once. So the
+compiled graph names its instance by an input, a zero-dimensional int64 CPU tensor holding the
+instance's graph id, and each parameter by its *slot*, its position among the graph's parameter
+inputs; the runtime registered each instance's ds ids in slot order. The ops' ``slot`` overloads
+(csrc/ops.cpp) read both on the host.
+
+``rebind`` goes the other way for a graph run by the profiler: a copy of the constant form with
+another instance's ids.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+from torch.fx import GraphModule, Node
+
+dc = torch.ops.dc
+
+# Op -> (its slot overload, position of the graph id argument, position of the ds id argument or
+# of the ds id list, None for ops that name no parameter).
+_SLOT_FORMS = {
+    dc.allgather_param.default: (dc.allgather_param.slot, 1, 2),
+    dc.wait_allgather.default: (dc.wait_allgather.slot, 1, 2),
+    dc.release_param.default: (dc.release_param.slot, 1, 2),
+    dc.reduce_grad.default: (dc.reduce_grad.slot, 1, 2),
+    dc.end_backward.default: (dc.end_backward.slot, 1, None),
+    dc.prefetch_params_fused.default: (dc.prefetch_params_fused.slot, 0, 2),
+}
+
+
+def to_slot_ops(gm: GraphModule, graph_id: int, slot_ids: Sequence[int], graph_input: Node) -> int:
+    """Rewrite every runtime op of ``graph_id`` into its slot overload reading ``graph_input``;
+    ``slot_ids`` are the graph's ds ids in slot order. Returns the number of ops rewritten."""
+    slot_of: Dict[int, int] = {ds_id: slot for slot, ds_id in enumerate(slot_ids)}
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        form = _SLOT_FORMS.get(node.target) if node.op == "call_function" else None
+        if form is None:
+            continue
+        target, graph_pos, id_pos = form
+        args = list(node.args)
+        if args[graph_pos] != graph_id:
+            raise RuntimeError(f"deepcompile: {node.name} belongs to graph {args[graph_pos]}, not {graph_id}")
+        args[graph_pos] = graph_input
+        if id_pos is not None:
+            ids = args[id_pos]
+            args[id_pos] = [slot_of[i] for i in ids] if isinstance(ids, (list, tuple)) else slot_of[ids]
+        node.target = target
+        node.args = tuple(args)
+        # Inductor constrains a custom op's inputs to the strides recorded here, position by
+        # position: the record of the constant form no longer matches the arguments.
+        node.meta.pop("eager_input_vals", None)
+        rewritten += 1
+    gm.graph.lint()
+    gm.recompile()
+    return rewritten
+
+
+def rebind(gm: GraphModule, graph_id: int, new_graph_id: int, id_map: Dict[int, int]) -> GraphModule:
+    """A copy of ``gm`` (constant form) whose runtime ops of ``graph_id`` name ``new_graph_id``
+    and the ds ids ``id_map`` maps to."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = GraphModule(gm, graph)
+    for node in copy.graph.nodes:
+        form = _SLOT_FORMS.get(node.target) if node.op == "call_function" else None
+        if form is None:
+            continue
+        _, graph_pos, id_pos = form
+        args = list(node.args)
+        if args[graph_pos] != graph_id:
+            continue
+        args[graph_pos] = new_graph_id
+        if id_pos is not None:
+            ids = args[id_pos]
+            args[id_pos] = [id_map[i] for i in ids] if isinstance(ids, (list, tuple)) else id_map[ids]
+        node.args = tuple(args)
+    copy.recompile()
+    return copy
+
+
+def uses_slot_ops(gm: GraphModule) -> bool:
+    """True if ``gm`` already calls slot overloads (it was lowered)."""
+    slot_targets = {form[0] for form in _SLOT_FORMS.values()}
+    return any(n.op == "call_function" and n.target in slot_targets for n in gm.graph.nodes)
+
