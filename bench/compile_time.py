@@ -137,6 +137,8 @@ PHASES: List[Tuple[str, str, Any, Optional[str]]] = [
     ("deepcompile.scheduling.replan", "apply_prefetch", "deepcompile: prefetch pass", None),
     ("deepcompile.compiler.backend", "saved_values", "deepcompile: activation passes", None),
     ("deepcompile.compiler.backend", "_copy_graph_module", "deepcompile: graph copies", None),
+    ("deepcompile.compiler.backend", "to_slot_ops", "deepcompile: ids-as-data lowering", None),
+    ("deepcompile.compiler.backend", "rebind", "deepcompile: graph copies", None),
     ("deepcompile.scheduling.replan", "_copy", "deepcompile: graph copies", None),
     ("deepcompile.scheduling.planner", "graph_signature", "deepcompile: graph signature", None),
     ("deepcompile.scheduling.planner", "plan_prefetch", "deepcompile: planner", None),

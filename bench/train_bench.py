@@ -56,7 +56,9 @@ The rows and how each one keeps its weights:
   ``deepcompile ZeRO-3 + prefetch + selective`` (key ``z3-auto``) also selective unsharding, both
   with ``compile.warmup_steps`` 1: step 0 runs plain and is profiled, step 1 runs the plan and is
   profiled once more to measure it, step 2 compiles the planned graphs, so ``--warmup`` must be at
-  least 3 for them.
+  least 3 for them. ``deepcompile ZeRO-3 + prefetch, per layer`` (key ``z3-prefetch-regional``)
+  is ``z3-prefetch`` with ``engine.compile(regional=True)``: each decoder layer compiled on its own,
+  identical layers sharing one compiled graph (the embedding and head run eagerly).
   ``--memory-budget-gib`` sets ``compile.memory_budget_bytes`` (default: 90 % of the device).
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
@@ -227,7 +229,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     unknown = [k for k in keys if k not in METHODS]
     if unknown or not keys:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
-    profiled = {"z3-prefetch", "z3-auto"} | (set(OFFLOAD_KEYS) if args.offload_passes != "none" else set())
+    profiled = {"z3-prefetch", "z3-auto", "z3-prefetch-regional"} | (set(OFFLOAD_KEYS) if args.offload_passes != "none" else set())
     if args.warmup < 3 and profiled & set(keys):
         p.error(f"--warmup must be >= 3 with {', '.join(sorted(profiled & set(keys)))} "
                 "(profile at step 0, re-plan at step 1)")
@@ -396,7 +398,7 @@ def offload_config(args: argparse.Namespace, offload: str, budget_bytes: Optiona
 
 
 def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
-                       budget_bytes: Optional[int] = None) -> Runner:
+                       budget_bytes: Optional[int] = None, regional: bool = False) -> Runner:
     meta = ctx.args.init == "meta"
     # deepcompile trains the bf16 model (fp32 masters in the engine): built on the device in bf16,
     # or on meta and materialised by initialize() one module at a time.
@@ -433,7 +435,7 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
             # An offload kind this build refuses (config validation): the row says which, the table goes on.
             raise Unavailable("unavailable: " + " ".join(str(e).split())[:300]) from e
         raise
-    engine.compile(backend=ctx.backend)
+    engine.compile(backend=ctx.backend, regional=regional)
 
     final = engine.scheduler.schedule.entry_at(1 << 62)  # the plan in force once every entry applied
     last = {"scheduled": False}
@@ -544,6 +546,8 @@ METHODS: Dict[str, Method] = {
                           lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",))),
     "z3-auto": Method("deepcompile ZeRO-3 + prefetch + selective",
                       lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch", "selective_gather"))),
+    "z3-prefetch-regional": Method("deepcompile ZeRO-3 + prefetch, per layer",
+                                   lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",), regional=True)),
     "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
     "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
     "fsdp2": Method(FSDP2_NAME, fsdp2_runner),

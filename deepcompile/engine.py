@@ -121,8 +121,14 @@ class Engine:
             debug_checks.install(self._ledger)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
 
-    def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> "Engine":
-        self._compiled = self.compiled_module.compile(backend, **torch_compile_kwargs)
+    def compile(self, backend: str = "inductor", regional: Any = False, **torch_compile_kwargs: Any) -> "Engine":
+        """Compile the model with deepcompile's backend around ``backend`` ("inductor" or "eager").
+
+        ``regional``: compile each repeated block on its own (True: the classes the model names
+        in ``_no_split_modules``; or a list of module classes or class names), so that identical
+        layers share one compiled graph (compiler/regions.py); the rest of the model runs
+        eagerly. ``torch_compile_kwargs`` go to ``torch.compile``."""
+        self._compiled = self.compiled_module.compile(backend, regional=regional, **torch_compile_kwargs)
         return self
 
     # ---- training loop ------------------------------------------------------------------------

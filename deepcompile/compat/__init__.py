@@ -63,6 +63,7 @@ from deepcompile.compat.inductor import (
 from deepcompile.compat.modules import (
     direct_buffers,
     direct_parameters,
+    drop_module_compile,
     register_global_forward_hook,
     register_global_forward_pre_hook,
     swap_parameter,
@@ -110,6 +111,7 @@ __all__ = [
     "shares_storage",
     "storage_id",
     "stream_from_ids",
+    "drop_module_compile",
     "register_global_forward_hook",
     "register_global_forward_pre_hook",
     "swap_parameter",

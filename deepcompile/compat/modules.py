@@ -44,3 +44,9 @@ def register_global_forward_hook(hook: Callable, always_call: bool = False) -> A
     from torch.nn.modules.module import register_module_forward_hook
 
     return register_module_forward_hook(hook, always_call=always_call)
+
+
+def drop_module_compile(module: nn.Module) -> None:
+    """Undo ``module.compile()``: calls run the plain forward again. Relies on the
+    ``_compiled_call_impl`` attribute ``nn.Module.compile`` sets."""
+    module._compiled_call_impl = None

@@ -9,7 +9,9 @@ A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
   ``compile()``, compiling again with a fresh backend: Dynamo keys its cache by backend, so the
   new wrapper traces afresh while nothing else is reset;
 * the retired backends, whose graphs may still run (and must be cut loose at ``close``);
-* which compiled module the string backend serves: the one created last and not closed.
+* which compiled module the string backend serves: the one created last and not closed;
+* regional compilation (``compile(regional=...)``, ``compiler/regions.py``): the repeated blocks
+  compiled in place, one by one, instead of the whole module.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from deepcompile.compiler import regions as regional_compile
 from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
 from deepcompile.scheduling import replan
 from deepcompile.zero.sharding import Sharding
@@ -43,21 +46,34 @@ class CompiledModule:
         self._backends: Dict[str, DeepCompileBackend] = {}
         self._retired: List[DeepCompileBackend] = []
         self._compile_args: Optional[Tuple[str, Dict[str, Any]]] = None
+        self._regions: List[nn.Module] = []  # compiled in place (regional compilation)
         self._own_backend: Optional[DeepCompileBackend] = None  # the backend of compile()
         self._warned_string_backend = False
         global _ACTIVE
         _ACTIVE = self
 
-    def compile(self, backend: str = "inductor", **torch_compile_kwargs: Any) -> nn.Module:
-        """``torch.compile`` of the module with this engine's backend around ``backend``."""
+    def compile(self, backend: str = "inductor", regional: regional_compile.RegionSpec = False,
+                **torch_compile_kwargs: Any) -> nn.Module:
+        """``torch.compile`` of the module with this engine's backend around ``backend``; with
+        ``regional`` (True, or a list of block classes), of each block instead
+        (``compiler/regions.py``), the module itself then running eagerly around them."""
         if backend not in INNER_COMPILERS:
             raise ValueError(f"backend must be one of {INNER_COMPILERS}, got {backend!r}")
+        if self._regions:
+            regional_compile.uncompile_regions(self._regions)
+            self._regions = []
+        if regional is not False:
+            self._regions = regional_compile.find_regions(self.module, regional)
+            regional_compile.warn_if_layers_differ(self.module)
         self._compile_args = (backend, dict(torch_compile_kwargs))
         return self._compile()
 
     def _compile(self) -> nn.Module:
         backend, kwargs = self._compile_args
         self._own_backend = self.backend_for(backend)
+        if self._regions:
+            regional_compile.compile_regions(self._regions, self._own_backend, kwargs)
+            return self.module
         return torch.compile(self.module, backend=self._own_backend, **kwargs)
 
     def recompile(self) -> Optional[nn.Module]:
@@ -109,6 +125,8 @@ class CompiledModule:
         for backend in [*self._backends.values(), *self._retired]:
             backend.detach()
         self._backends, self._retired, self._own_backend = {}, [], None
+        regional_compile.uncompile_regions(self._regions)
+        self._regions = []
         self._compile_args = None
         self.driver = None
         self._ds_id_of = {}

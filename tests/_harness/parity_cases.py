@@ -244,7 +244,8 @@ class LlamaLoss(nn.Module):
         self.model = tiny_llama()
 
     def forward(self, tokens, targets):
-        return self.model(input_ids=tokens, labels=targets).loss
+        # Training builds no KV cache (transformers' default would fill one per forward).
+        return self.model(input_ids=tokens, labels=targets, use_cache=False).loss
 
 
 class Qwen2MoeLoss(LlamaLoss):
@@ -348,8 +349,11 @@ def train_engine(
     device: torch.device,
     dtype=torch.float32,
     use_torch_compile_api: bool = False,
+    regional: bool = False,
 ):
-    """Distributed run through deepcompile; returns (RunResult, engine)."""
+    """Distributed run through deepcompile; returns (RunResult, engine). ``regional``: compile
+    each decoder layer on its own (engine.compile(regional=True)); DC_TEST_REGIONAL=1 turns it on
+    for every case whose model names its layers (``_no_split_modules``)."""
     import deepcompile
 
     torch._dynamo.reset()
@@ -363,8 +367,14 @@ def train_engine(
         compiled = torch.compile(engine.module, backend="deepcompile", options={"inner": backend})
         engine._compiled = compiled
     elif backend is not None:
-        engine.compile(backend=backend)
+        if os.environ.get("DC_TEST_REGIONAL") == "1" and _has_blocks(model):
+            regional = True
+        engine.compile(backend=backend, regional=regional)
     return run_steps(engine, name, steps, device, dtype=dtype), engine
+
+
+def _has_blocks(model: nn.Module) -> bool:
+    return any(getattr(m, "_no_split_modules", None) for m in model.modules())
 
 
 def run_steps(engine, name: str, steps: int, device: torch.device, dtype=torch.float32,
