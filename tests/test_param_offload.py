@@ -270,6 +270,70 @@ def test_checkpoint_round_trip_with_parameter_offload(tmp_path):
     run_distributed(_checkpoint_body, 2, args=(str(tmp_path / "ckpt"),))
 
 
+# ---- frozen parameters: written to the host once --------------------------------------------
+
+
+def _spy_on_write_backs(off):
+    """Record the host buffer (its address) of every write-back of ``off``'s units."""
+    written = []
+    copy = off.lanes.offload
+
+    def spy(host, dev):
+        written.append(host.data_ptr())
+        return copy(host, dev)
+
+    off.lanes.offload = spy
+    return written
+
+
+def _frozen_body(ctx, key):
+    """A frozen parameter's shard never changes, so after initialize it is never written to the
+    host again: not at a step, and not after ``materialize`` brought every unit back (its host
+    copy is still current). Training stays bitwise the run without offload."""
+    from deepcompile.offload.opt_states import MASTER
+
+    base, engine = _train(ctx, "lora", _config(None), "eager", 6)
+    engine.destroy()
+    frozen_names = {"fc1.weight", "fc1.bias", "fc2.weight"}
+    seen = {}
+
+    def check(engine, step):
+        off = engine.offload
+        if step == 0:
+            seen["written"] = _spy_on_write_backs(off)
+            seen["host"] = {id(u): u.host.clone() for u in off.units.values() if u.what == MASTER}
+        masters = [u for u in off.units.values() if u.what == MASTER]
+        frozen = [u for u in masters if off.param_names[u.ds_ids[0]] in frozen_names]
+        trainable = [u for u in masters if u not in frozen]
+        assert len(frozen) == len(frozen_names) and len(trainable) == 3, [off._label(u) for u in masters]
+        written = seen["written"]
+        if step > 0:
+            # This step wrote back exactly the masters it updated (Adam's state stays resident).
+            assert sorted(written) == sorted(u.host.data_ptr() for u in trainable), step
+        for u in frozen:
+            assert u.on_host and u.device_bytes.untyped_storage().nbytes() == 0, off._label(u)
+            assert torch.equal(u.host, seen["host"][id(u)]), off._label(u)
+        written.clear()
+        if step == 2:
+            # Everything back on the device (gathers read the device copies): the next write-back
+            # still copies only the updated masters; the frozen ones are freed without a copy.
+            off.materialize()
+            assert not off.offloaded_units()
+
+    got, engine = _train(ctx, "lora", _config(key), "eager", 6, between_steps=check)
+    engine.destroy()
+    assert got.losses == base.losses, (got.losses, base.losses)
+    for k, value in base.params.items():
+        assert torch.equal(got.params[k], value), k
+    assert_parity(got, train_reference("lora", 6, device=ctx.device), **FP32_TOL)
+
+
+@cpu_only
+@pytest.mark.parametrize("key", sorted(ON))
+def test_frozen_shards_are_not_written_back(key):
+    run_distributed(_frozen_body, 2, args=(key,))
+
+
 # ---- the runtime API --------------------------------------------------------------------------
 
 

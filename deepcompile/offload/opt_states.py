@@ -25,7 +25,9 @@ A step (``Engine``):
   back as soon as it has stepped, so the step holds a window of two sub-groups of state, not all;
 * ``after_step()``: each unit the plan offloads and still on the device is copied to the host on
   the offload lane, ordered after the step, and its device storage is freed at once (the allocator
-  is told the offload lane still reads it), so the copy overlaps the next forward.
+  is told the offload lane still reads it), so the copy overlaps the next forward. A unit nothing
+  wrote since it came back (a frozen parameter's shard) is freed without a copy: its host copy is
+  current (``OffloadUnit.host_current``).
 
 Between steps the state is read and written where it is (``Sharding.state_access`` is this
 object): ``locate`` hands the stage a view of an offloaded unit's host buffer once no copy into or
@@ -73,6 +75,9 @@ class OffloadUnit:
     early: bool = False  # reloaded from the start of the boundary backward
     on_host: bool = False  # the device storage is freed; the host copy holds the values
     written: Any = None  # completion of the last offload copy
+    # The host buffer holds the device copy's values: nothing wrote the device copy since the last
+    # copy between the two, so a write-back would move the same bytes again (``_offload`` skips it).
+    host_current: bool = False
     reloading: Any = None  # completion of a reload copy the compute stream has not waited for yet
 
     @property
@@ -229,6 +234,8 @@ class OptimizerStateOffload:
             self._new_ids = True
             self._stepped_ids |= ids
         if not self.streams:
+            for unit in self.units.values():
+                unit.host_current = False  # ZeRO-1/2 step every unit whole
             self.materialize()
 
     def before_sub_group(self, index: int, groups: List[List[int]]) -> None:
@@ -245,6 +252,7 @@ class OptimizerStateOffload:
                 self.lanes.wait(unit.reloading)
                 unit.reloading = None
                 self._hand_gathers(unit, to_host=False)
+                unit.host_current = False  # the step updates it in place
 
     def after_sub_group(self, index: int, groups: List[List[int]]) -> None:
         """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
@@ -307,6 +315,8 @@ class OptimizerStateOffload:
         if not self._discovering:  # (discovery only takes views: no copy needs to be complete)
             self._settle(unit)
         if not unit.on_host:
+            if not self._discovering:
+                unit.host_current = False  # the caller may write the device copy
             return t
         return unit.host.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -511,7 +521,15 @@ class OptimizerStateOffload:
     def _offload(self, unit: OffloadUnit) -> None:
         if unit.on_host:
             return
-        unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+        if unit.host_current:
+            # Unchanged since it came back (a frozen parameter's shard, state of a parameter the
+            # step skipped): the host already has these bytes; only the device copy goes. It may
+            # be freed once the compute stream is past its reload.
+            self.lanes.wait(unit.reloading)
+            unit.reloading = None
+        else:
+            unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+            unit.host_current = True
         self._hand_gathers(unit, to_host=True)
         unit.device_bytes.untyped_storage().resize_(0)
         unit.on_host = True
