@@ -40,7 +40,7 @@ from that step's measurements, and state first created later (a parameter whose 
 came later) is planned at the step that creates it. Before the first step nothing is offloaded.
 When the step streams, state created by a sub-group is written back provisionally right after it
 (the step could not hold all of it otherwise); what the plan then keeps resident comes back at
-once.
+once, and its host buffer (as that of a master the plan keeps) is released (``host_release.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from deepcompile import compat
 from deepcompile.offload import bandwidth, device_memory, host_memory
+from deepcompile.offload.host_release import HostReleases
 from deepcompile.offload.lanes import CopyLanes
 from deepcompile.offload.plan import OffloadPlan, check_budget, plan_offload
 from deepcompile.offload.settings import OptStateOffloadSettings
@@ -96,6 +97,7 @@ class OptimizerStateOffload:
         self.group = group
         self.param_names = param_names
         self.lanes = CopyLanes(device)
+        self.releases = HostReleases()  # host buffers of units the plan keeps resident
         if settings.offload_masters and self.lanes.async_ and not self.lanes.shares_runtime_lanes:
             raise RuntimeError("parameter offload needs the deepcompile runtime initialized on " + str(device)
                                + ": its gathers order their reads of host shards after the runtime's offload lane")
@@ -209,6 +211,7 @@ class OptimizerStateOffload:
 
     def before_backward(self, boundary: bool) -> None:
         """Start the reloads that fit beside the backward (only at an accumulation boundary)."""
+        self.releases.poll()
         if not boundary:
             return
         for unit in sorted(self.units.values(), key=lambda u: u.order_key):
@@ -220,6 +223,7 @@ class OptimizerStateOffload:
         the step streams, will be brought in per sub-group."""
         from deepcompile import runtime
 
+        self.releases.poll()
         if self.peak_without is None:
             # First step: measure before any state exists (see plan.py); under ZeRO-1/2 the
             # masters are already there, and resident.
@@ -279,6 +283,7 @@ class OptimizerStateOffload:
     def after_step(self) -> None:
         """Write back what the plan offloads; the next forward overlaps the copies."""
         self.steps += 1
+        self.releases.poll()
         found = self._discover()
         unplanned, self._unplanned, self._replaced = self._unplanned, False, False
         if self._new_ids:
@@ -292,6 +297,25 @@ class OptimizerStateOffload:
                 self._offload(unit)
             else:
                 self._reload(unit)  # written back provisionally, kept by the plan: comes back now
+        for unit in self.units.values():
+            if not unit.planned_out and unit.host is not None:
+                self._release_host(unit)
+
+    def _release_host(self, unit: OffloadUnit) -> None:
+        """``unit`` stays on the device: its host buffer goes (``host_release.py``), so host memory
+        holds only offloaded units. A master's gathers read the device copy from now on. A later
+        plan that offloads the unit again allocates a fresh buffer (``_ensure_host``)."""
+        self.lanes.wait(unit.reloading)  # the compute stream (and the gathers after it) see the reload
+        unit.reloading = None
+        self._hand_gathers(unit, to_host=False)
+        # Recorded after the hand-back: every read of the host copy was queued before these events.
+        self.releases.release(unit.host, self.lanes.readers_done())
+        unit.host, unit.written, unit.host_current = None, None, False
+
+    def host_bytes(self) -> int:
+        """Host memory held for offloaded state: the units' buffers, and those whose release waits
+        for copies still reading them."""
+        return sum(u.host.numel() for u in self.units.values() if u.host is not None) + self.releases.nbytes
 
     def materialize(self) -> None:
         """Bring every offloaded unit back to the device; they stay until the next after_step."""
@@ -591,6 +615,7 @@ class OptimizerStateOffload:
             "offloaded_bytes": offloaded,
             "resident_bytes": resident,
             "reloaded_during_backward_bytes": early,
+            "host_buffer_bytes": self.host_bytes(),
             # Every offloaded byte goes to the host after a step and comes back for the next one.
             "copy_bandwidth": None if link is None else dataclasses.asdict(link),
             "predicted_transfer_s_per_step": None if link is None else link.seconds(offloaded, offloaded),
@@ -617,6 +642,7 @@ class OptimizerStateOffload:
         else:
             self.materialize()
         self.lanes.synchronize()
+        self.releases.drain()
         if self.sharding.state_access is self:
             self.sharding.state_access = None
         for unit in self.units.values():
