@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import multiproc
+from _harness import multiproc, offload_gpu
 from _harness.multiproc import run_distributed
 from _harness.runtime_reference import CONFIG
 from _harness.parity_cases import MLP, assert_parity, build_model, make_optimizer, run_steps, train_reference
@@ -613,71 +613,31 @@ def test_planned_masters_go_after_the_optimizer_state():
 
 # ---- GPU: parity and the device memory the masters no longer hold -------------------------------
 
-GPU_SIZES = dict(width=1024, depth=6, batch=64)
-
 
 def _gpu_body(ctx, steps: int, early: int):
-    import deepcompile
     from deepcompile import runtime
     from deepcompile.offload.opt_states import MASTER
-    from test_gpu_memory import DeviceMemory, build_model as build_stack, make_batch, make_optimizer as stack_optimizer, \
-        warm_up_cublas
 
-    width, depth, bsz = GPU_SIZES["width"], GPU_SIZES["depth"], GPU_SIZES["batch"]
-    mem = DeviceMemory(ctx.device)
-    warm_up_cublas(width, bsz, torch.float32, ctx.device)
+    mem = offload_gpu.device_memory(ctx)
 
-    def run(offload: bool):
-        torch._dynamo.reset()
-        cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": width * width + width},
-               # Profile-guided passes off: the same schedule at every step of both runs.
-               "compile": {"prefetch": False, "selective_gather": False}}
-        if offload:
-            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        model = build_stack(width, depth, torch.float32, ctx.device)
-        engine = deepcompile.initialize(model, stack_optimizer(model.parameters()), cfg)
-        engine.compile(backend="inductor")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        readings, losses = {}, []
-        for step in range(steps):
-            x, y = make_batch(step, bsz * world, width, torch.float32, ctx.device)
-            loss = engine(x[rank * bsz:(rank + 1) * bsz], y[rank * bsz:(rank + 1) * bsz])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().cpu())
-            if step + 1 in (early, steps):
-                readings[step + 1] = mem.settle()
-            if offload and step + 1 == early:
-                off = engine.offload
-                assert off.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
-                masters = [u for u in off.units.values() if u.what == MASTER]
-                assert masters and all(u.on_host for u in masters)
-                assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays
-                assert all(runtime.registered_shard(i).untyped_storage().nbytes() == 0
-                           for u in masters for i in u.ds_ids)
-                # Views of the units' own (exact-size, page-locked) host buffers.
-                assert all(runtime.host_shard(i).untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
-                           for u in masters for i in u.ds_ids)
-                readings["master_bytes"] = sum(u.nbytes for u in masters)
-                # Bring the masters back: the allocator holds exactly their blocks more.
-                off.materialize()
-                back = mem.settle()
-                readings["master_blocks"] = mem.bytes_of([u.device_bytes for u in masters])
-                assert back - readings[early] == readings["master_blocks"], (back, readings)
-        params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
-        engine.destroy()
-        return torch.stack(losses).float(), params, readings
+    def at_early(engine):
+        off = engine.offload
+        assert off.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
+        masters = [u for u in off.units.values() if u.what == MASTER]
+        assert masters and all(u.on_host for u in masters)
+        assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays
+        assert all(runtime.registered_shard(i).untyped_storage().nbytes() == 0 for u in masters for i in u.ds_ids)
+        # Views of the units' own (exact-size, page-locked) host buffers.
+        assert all(runtime.host_shard(i).untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
+                   for u in masters for i in u.ds_ids)
+        return masters
 
-    base_losses, base_params, base_mem = run(offload=False)
-    losses, params, got_mem = run(offload=True)
-    assert torch.equal(losses, base_losses), (losses, base_losses)
-    for key, value in base_params.items():
-        assert torch.equal(params[key], value), key
-    # No growth from step `early` to the last (the masters leave the device after every step).
-    assert got_mem[steps] == got_mem[early], got_mem
-    # Between steps the device holds at least the masters' bytes less than without offload.
-    assert base_mem[early] - got_mem[early] >= got_mem["master_bytes"], (base_mem, got_mem)
+    base = offload_gpu.train_and_read(ctx, mem, {"stage": 3}, steps, early)
+    offload = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+    got = offload_gpu.train_and_read(ctx, mem, offload, steps, early, at_early=at_early)
+    # Parity, no growth from step `early` to the last (the masters leave the device after every
+    # step), and between steps at least the masters' bytes less device memory than without offload.
+    offload_gpu.assert_parity_and_memory(base, got, steps, early)
 
 
 @pytest.mark.gpu
