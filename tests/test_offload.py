@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import multiproc
+from _harness import multiproc, offload_gpu
 from _harness.multiproc import run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, assert_parity, batch, build_model, make_optimizer, run_steps, \
     train_reference
@@ -335,90 +335,36 @@ def test_offload_applies_to_every_stage(stage):
 
 # ---- GPU: parity, freed device memory, no growth -------------------------------------------------
 
-GPU_SIZES = dict(width=1024, depth=6, batch=64)
-
 
 def _gpu_body(ctx, stage: int, steps: int, early: int, sub_group_size=None):
-    import deepcompile
-    from test_gpu_memory import DeviceMemory, build_model as build_stack, make_batch, make_optimizer as stack_optimizer, \
-        warm_up_cublas
+    mem = offload_gpu.device_memory(ctx)
+    offload = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if sub_group_size is not None:  # the step streams (ZeRO-3); the base run steps whole
+        offload["sub_group_size"] = sub_group_size
 
-    width, depth, bsz = GPU_SIZES["width"], GPU_SIZES["depth"], GPU_SIZES["batch"]
-    mem = DeviceMemory(ctx.device)
-    warm_up_cublas(width, bsz, torch.float32, ctx.device)
+    def at_early(engine):
+        off = engine.offload
+        units = list(off.units.values())
+        assert units and all(u.on_host for u in units), [off._label(u) for u in units if not u.on_host]
+        assert all(u.device_bytes.untyped_storage().nbytes() == 0 for u in units)
+        report = off.report()
+        # The link was measured (any real PCIe/NVLink-C2C host link moves > 1 GB/s) and the
+        # prediction is the offloaded bytes over it.
+        link = report["copy_bandwidth"]
+        assert link["host_to_device"] > 1e9 and link["device_to_host"] > 1e9, link
+        assert report["predicted_transfer_s_per_step"] == pytest.approx(
+            max(report["offloaded_bytes"] / link["host_to_device"],
+                report["offloaded_bytes"] / link["device_to_host"]))
+        assert "predicted transfer per step" in engine.scheduler.report.text()
+        return units
 
-    def run(offload: bool):
-        torch._dynamo.reset()
-        cfg = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": width * width + width},
-               # Profile-guided passes off: the same schedule at every step of both runs.
-               "compile": {"prefetch": False, "selective_gather": False}}
-        if offload:
-            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-            if sub_group_size is not None:  # the step streams (ZeRO-3); the base run steps whole
-                cfg["zero_optimization"]["sub_group_size"] = sub_group_size
-        model = build_stack(width, depth, torch.float32, ctx.device)
-        engine = deepcompile.initialize(model, stack_optimizer(model.parameters()), cfg)
-        engine.compile(backend="inductor")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        readings, losses = {}, []
-        for step in range(steps):
-            x, y = make_batch(step, bsz * world, width, torch.float32, ctx.device)
-            loss = engine(x[rank * bsz:(rank + 1) * bsz], y[rank * bsz:(rank + 1) * bsz])
-            engine.backward(loss)
-            if offload and step == early + 2:
-                # A planned step (reloads, the step, write-backs) never waits on the host: any
-                # synchronising CUDA call in it raises here.
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    engine.step()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            else:
-                engine.step()
-            # On the host: a device copy per step would itself grow memory between the readings.
-            losses.append(loss.detach().cpu())
-            if step + 1 in (early, steps):
-                readings[step + 1] = mem.settle()
-            if offload and step + 1 == early:
-                off = engine.offload
-                units = list(off.units.values())
-                assert units and all(u.on_host for u in units), [off._label(u) for u in units if not u.on_host]
-                assert all(u.device_bytes.untyped_storage().nbytes() == 0 for u in units)
-                # Device memory between steps lacks exactly the offloaded tensors: bring them back
-                # and the allocator holds exactly their blocks more.
-                off.materialize()
-                back = mem.settle()
-                readings["offloaded_blocks"] = mem.bytes_of([u.device_bytes for u in units])
-                readings["offloaded_bytes"] = sum(u.nbytes for u in units)
-                assert back - readings[early] == readings["offloaded_blocks"], (back, readings)
-                report = off.report()
-                # The link was measured (any real PCIe/NVLink-C2C host link moves > 1 GB/s) and the
-                # prediction is the offloaded bytes over it.
-                link = report["copy_bandwidth"]
-                assert link["host_to_device"] > 1e9 and link["device_to_host"] > 1e9, link
-                assert report["predicted_transfer_s_per_step"] == pytest.approx(
-                    max(report["offloaded_bytes"] / link["host_to_device"],
-                        report["offloaded_bytes"] / link["device_to_host"]))
-                assert "predicted transfer per step" in engine.scheduler.report.text()
-        params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
-        engine.destroy()
-        return torch.stack(losses).float(), params, readings
-
-    base_losses, base_params, base_mem = run(offload=False)
-    losses, params, got_mem = run(offload=True)
-    # Offload moves bytes only: same kernels on the same values, so the same bits.
-    assert torch.equal(losses, base_losses), (losses, base_losses)
-    for key, value in base_params.items():
-        assert torch.equal(params[key], value), key
-    # No growth: the offloaded state is freed after every step, not accumulated.
-    assert got_mem[steps] == got_mem[early], got_mem
-    # And it is really absent: at least the offloaded bytes below the run without offload.
-    assert base_mem[early] - got_mem[early] >= got_mem["offloaded_bytes"], (base_mem, got_mem)
+    base = offload_gpu.train_and_read(ctx, mem, {"stage": stage}, steps, early)
+    got = offload_gpu.train_and_read(ctx, mem, offload, steps, early, at_early=at_early, no_sync_step=early + 2)
+    offload_gpu.assert_parity_and_memory(base, got, steps, early)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage,sub_group_size", [(2, None), (3, None), (3, GPU_SIZES["width"] ** 2)])
+@pytest.mark.parametrize("stage,sub_group_size", [(2, None), (3, None), (3, offload_gpu.GPU_SIZES["width"] ** 2)])
 def test_offload_gpu_parity_and_memory(stage, sub_group_size):
     # With one layer's weight per sub-group the ZeRO-3 step streams through the copy lanes
     # (several sub-groups in flight on the device's streams) and must still be bitwise the same.

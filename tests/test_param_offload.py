@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import multiproc
+from _harness import multiproc, offload_gpu
 from _harness.multiproc import run_distributed
 from _harness.runtime_reference import CONFIG
-from _harness.parity_cases import assert_parity, build_model, make_optimizer, run_steps, train_reference
+from _harness.parity_cases import MLP, assert_parity, build_model, make_optimizer, run_steps, train_reference
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
 ON = {
@@ -270,6 +270,220 @@ def test_checkpoint_round_trip_with_parameter_offload(tmp_path):
     run_distributed(_checkpoint_body, 2, args=(str(tmp_path / "ckpt"),))
 
 
+# ---- frozen parameters: written to the host once --------------------------------------------
+
+
+def _spy_on_write_backs(off):
+    """Record the host buffer (its address) of every write-back of ``off``'s units."""
+    written = []
+    copy = off.lanes.offload
+
+    def spy(host, dev):
+        written.append(host.data_ptr())
+        return copy(host, dev)
+
+    off.lanes.offload = spy
+    return written
+
+
+def _frozen_body(ctx, key):
+    """A frozen parameter's shard never changes, so after initialize it is never written to the
+    host again: not at a step, and not after ``materialize`` brought every unit back (its host
+    copy is still current). Training stays bitwise the run without offload."""
+    from deepcompile.offload.opt_states import MASTER
+
+    base, engine = _train(ctx, "lora", _config(None), "eager", 6)
+    engine.destroy()
+    frozen_names = {"fc1.weight", "fc1.bias", "fc2.weight"}
+    seen = {}
+
+    def check(engine, step):
+        off = engine.offload
+        if step == 0:
+            seen["written"] = _spy_on_write_backs(off)
+            seen["host"] = {id(u): u.host.clone() for u in off.units.values() if u.what == MASTER}
+        masters = [u for u in off.units.values() if u.what == MASTER]
+        frozen = [u for u in masters if off.param_names[u.ds_ids[0]] in frozen_names]
+        trainable = [u for u in masters if u not in frozen]
+        assert len(frozen) == len(frozen_names) and len(trainable) == 3, [off._label(u) for u in masters]
+        written = seen["written"]
+        if step > 0:
+            # This step wrote back exactly the masters it updated (Adam's state stays resident).
+            assert sorted(written) == sorted(u.host.data_ptr() for u in trainable), step
+        for u in frozen:
+            assert u.on_host and u.device_bytes.untyped_storage().nbytes() == 0, off._label(u)
+            assert torch.equal(u.host, seen["host"][id(u)]), off._label(u)
+        written.clear()
+        if step == 2:
+            # Everything back on the device (gathers read the device copies): the next write-back
+            # still copies only the updated masters; the frozen ones are freed without a copy.
+            off.materialize()
+            assert not off.offloaded_units()
+
+    got, engine = _train(ctx, "lora", _config(key), "eager", 6, between_steps=check)
+    engine.destroy()
+    assert got.losses == base.losses, (got.losses, base.losses)
+    for k, value in base.params.items():
+        assert torch.equal(got.params[k], value), k
+    assert_parity(got, train_reference("lora", 6, device=ctx.device), **FP32_TOL)
+
+
+@cpu_only
+@pytest.mark.parametrize("key", sorted(ON))
+def test_frozen_shards_are_not_written_back(key):
+    run_distributed(_frozen_body, 2, args=(key,))
+
+
+# ---- host buffers only for what is offloaded ---------------------------------------------------
+
+
+class LateBranchMLP(MLP):
+    """The MLP plus a branch the forward takes only once ``use_late`` is set: its parameters get
+    their first gradient (and optimizer state) at a later step, where the plan is made again."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = torch.nn.Linear(7, 5)
+        self.use_late = False
+
+    def forward(self, x, y):
+        out = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        if self.use_late:
+            out = out + self.late(x)
+        return ((out - y) ** 2).mean()
+
+
+def _train_late_branch(ctx, cfg, steps, late, between_steps=None):
+    """Trains without compile (the branch switches without a recompile); from micro-step ``late``
+    on the forward takes the branch."""
+    import deepcompile
+
+    torch.manual_seed(1234)
+    model = LateBranchMLP().to(ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), cfg)
+
+    def after_step(engine, step):
+        if between_steps is not None:
+            between_steps(engine, step)
+        model.use_late = step + 1 >= late
+
+    return run_steps(engine, "mlp", steps, ctx.device, after_step=after_step), engine
+
+
+def _resident_hosts_body(ctx):
+    """Under a budget that keeps some units on the device, their host buffers (parameter
+    offload's masters go to the host at initialize; state a streamed step creates is written back
+    provisionally) are freed once the plan keeps them: host memory holds the offloaded units only.
+    A later plan (new optimizer state) that offloads a released unit again gives it a new buffer,
+    and training stays bitwise the run without offload."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from deepcompile import runtime
+    from deepcompile.offload import device_memory, host_memory
+    from deepcompile.offload.opt_states import MASTER
+
+    saved = device_memory.peak_allocated, device_memory.allocated, host_memory.empty_host
+    peak, steps, late = 1 << 20, 6, 3
+    try:
+        # A CPU device reads no memory: a forward/backward peak far above the step's floor, so the
+        # plan's limit is the budget less this peak.
+        device_memory.peak_allocated = lambda device: peak
+        device_memory.allocated = lambda device: 0
+        _, engine = _train_late_branch(ctx, _config("offload_parameters"), 1, late)
+        masters = [u.nbytes for u in engine.offload.units.values() if u.what == MASTER]
+        state = sum(u.nbytes for u in engine.offload.units.values() if u.what != MASTER)
+        engine.destroy()
+        base, engine = _train_late_branch(ctx, _config(None), steps, late)
+        engine.destroy()
+
+        made = []  # every host buffer offload allocates, weakly
+
+        def empty_host(nbytes, pin):
+            buffer = saved[2](nbytes, pin)
+            made.append(StorageWeakRef(buffer.untyped_storage()))
+            return buffer
+
+        host_memory.empty_host = empty_host
+        # Room for everything but the largest master: it alone is offloaded (optimizer-state
+        # offload is off, so the masters are what can go).
+        budget = peak + state + sum(masters) - max(masters)
+        seen = {}
+
+        def check(engine, step):
+            off = engine.offload
+            units = list(off.units.values())
+            out = [u for u in units if u.planned_out]
+            kept = [u for u in units if not u.planned_out]
+            assert out and any(u.what == MASTER for u in kept), [(off._label(u), u.planned_out) for u in units]
+            for u in kept:
+                assert u.host is None and u.device_bytes.untyped_storage().nbytes() == u.nbytes, off._label(u)
+                if u.what == MASTER:
+                    assert runtime.host_shard(u.ds_ids[0]) is None, off._label(u)  # gathered on the device
+            for u in out:
+                assert u.on_host and u.host is not None, off._label(u)
+                host = runtime.host_shard(u.ds_ids[0])
+                assert host is not None and host.untyped_storage().data_ptr() == u.host.data_ptr(), off._label(u)
+            # Freed, not merely forgotten: only the offloaded units' buffers are alive.
+            assert sum(not ref.expired() for ref in made) == len(out), step
+            assert off.host_bytes() == sum(u.nbytes for u in out), step
+            assert engine.schedule_report()["optimizer_state_offload"]["host_buffer_bytes"] == off.host_bytes()
+            if step == late:
+                # The late branch's state made the plan offload masters it had kept resident.
+                again = [u for u in out if u.storage_key in seen["kept"]]
+                assert again and all(u.what == MASTER for u in again), [off._label(u) for u in out]
+            seen["kept"] = {u.storage_key for u in kept}
+
+        cfg = _config("offload_parameters", extra={"compile": {"memory_budget_bytes": budget}})
+        got, engine = _train_late_branch(ctx, cfg, steps, late, between_steps=check)
+        engine.destroy()
+    finally:
+        device_memory.peak_allocated, device_memory.allocated, host_memory.empty_host = saved
+    assert got.losses == base.losses, (got.losses, base.losses)
+    for k, value in base.params.items():
+        assert torch.equal(got.params[k], value), k
+
+
+@cpu_only
+def test_host_buffers_of_resident_units_are_released():
+    run_distributed(_resident_hosts_body, 2)
+
+
+def test_host_release_waits_for_its_readers():
+    # The GPU path of the release (events of queued copies), with stand-in events on CPU.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from deepcompile.offload.host_release import HostReleases
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    releases = HostReleases()
+    a, b = torch.empty(8, dtype=torch.uint8), torch.empty(3, dtype=torch.uint8)
+    readers_a, readers_b = [Event(), Event()], [Event()]
+    weak = StorageWeakRef(a.untyped_storage())
+    releases.release(a, readers_a)
+    releases.release(b, readers_b)
+    del a, b
+    assert releases.nbytes == 11
+    readers_a[0].done = True
+    releases.poll()
+    assert releases.nbytes == 11 and not weak.expired()  # one reader is still queued
+    readers_a[1].done = True
+    releases.poll()
+    assert releases.nbytes == 3 and weak.expired()
+    releases.drain()
+    assert releases.nbytes == 0 and readers_b[0].done
+    releases.release(torch.empty(4, dtype=torch.uint8), [])  # nothing reads it: dropped at once
+    assert releases.nbytes == 0
+
+
 # ---- the runtime API --------------------------------------------------------------------------
 
 
@@ -399,71 +613,31 @@ def test_planned_masters_go_after_the_optimizer_state():
 
 # ---- GPU: parity and the device memory the masters no longer hold -------------------------------
 
-GPU_SIZES = dict(width=1024, depth=6, batch=64)
-
 
 def _gpu_body(ctx, steps: int, early: int):
-    import deepcompile
     from deepcompile import runtime
     from deepcompile.offload.opt_states import MASTER
-    from test_gpu_memory import DeviceMemory, build_model as build_stack, make_batch, make_optimizer as stack_optimizer, \
-        warm_up_cublas
 
-    width, depth, bsz = GPU_SIZES["width"], GPU_SIZES["depth"], GPU_SIZES["batch"]
-    mem = DeviceMemory(ctx.device)
-    warm_up_cublas(width, bsz, torch.float32, ctx.device)
+    mem = offload_gpu.device_memory(ctx)
 
-    def run(offload: bool):
-        torch._dynamo.reset()
-        cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": width * width + width},
-               # Profile-guided passes off: the same schedule at every step of both runs.
-               "compile": {"prefetch": False, "selective_gather": False}}
-        if offload:
-            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        model = build_stack(width, depth, torch.float32, ctx.device)
-        engine = deepcompile.initialize(model, stack_optimizer(model.parameters()), cfg)
-        engine.compile(backend="inductor")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        readings, losses = {}, []
-        for step in range(steps):
-            x, y = make_batch(step, bsz * world, width, torch.float32, ctx.device)
-            loss = engine(x[rank * bsz:(rank + 1) * bsz], y[rank * bsz:(rank + 1) * bsz])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().cpu())
-            if step + 1 in (early, steps):
-                readings[step + 1] = mem.settle()
-            if offload and step + 1 == early:
-                off = engine.offload
-                assert off.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
-                masters = [u for u in off.units.values() if u.what == MASTER]
-                assert masters and all(u.on_host for u in masters)
-                assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays
-                assert all(runtime.registered_shard(i).untyped_storage().nbytes() == 0
-                           for u in masters for i in u.ds_ids)
-                # Views of the units' own (exact-size, page-locked) host buffers.
-                assert all(runtime.host_shard(i).untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
-                           for u in masters for i in u.ds_ids)
-                readings["master_bytes"] = sum(u.nbytes for u in masters)
-                # Bring the masters back: the allocator holds exactly their blocks more.
-                off.materialize()
-                back = mem.settle()
-                readings["master_blocks"] = mem.bytes_of([u.device_bytes for u in masters])
-                assert back - readings[early] == readings["master_blocks"], (back, readings)
-        params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
-        engine.destroy()
-        return torch.stack(losses).float(), params, readings
+    def at_early(engine):
+        off = engine.offload
+        assert off.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
+        masters = [u for u in off.units.values() if u.what == MASTER]
+        assert masters and all(u.on_host for u in masters)
+        assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays
+        assert all(runtime.registered_shard(i).untyped_storage().nbytes() == 0 for u in masters for i in u.ds_ids)
+        # Views of the units' own (exact-size, page-locked) host buffers.
+        assert all(runtime.host_shard(i).untyped_storage().data_ptr() == u.host.untyped_storage().data_ptr()
+                   for u in masters for i in u.ds_ids)
+        return masters
 
-    base_losses, base_params, base_mem = run(offload=False)
-    losses, params, got_mem = run(offload=True)
-    assert torch.equal(losses, base_losses), (losses, base_losses)
-    for key, value in base_params.items():
-        assert torch.equal(params[key], value), key
-    # No growth from step `early` to the last (the masters leave the device after every step).
-    assert got_mem[steps] == got_mem[early], got_mem
-    # Between steps the device holds at least the masters' bytes less than without offload.
-    assert base_mem[early] - got_mem[early] >= got_mem["master_bytes"], (base_mem, got_mem)
+    base = offload_gpu.train_and_read(ctx, mem, {"stage": 3}, steps, early)
+    offload = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+    got = offload_gpu.train_and_read(ctx, mem, offload, steps, early, at_early=at_early)
+    # Parity, no growth from step `early` to the last (the masters leave the device after every
+    # step), and between steps at least the masters' bytes less device memory than without offload.
+    offload_gpu.assert_parity_and_memory(base, got, steps, early)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ is nothing to order.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -75,6 +75,24 @@ class CopyLanes:
         done = torch.cuda.Event()
         done.record(self.reload_stream)
         return done
+
+    def readers_done(self) -> List[torch.cuda.Event]:
+        """Completion of everything queued so far that may read a host buffer: the copy lanes, the
+        compute stream and the runtime's lanes (its gathers copy host shards on them). Empty on a
+        CPU device, where copies are synchronous."""
+        if not self.async_:
+            return []
+        streams = [torch.cuda.current_stream(self.device), self.reload_stream, self.offload_stream]
+        if self.shares_runtime_lanes:
+            from deepcompile import runtime
+
+            streams += [runtime.lane_stream(lane) for lane in ("allgather", "reduce-scatter", "copy")]
+        events = []
+        for stream in streams:
+            done = torch.cuda.Event()
+            done.record(stream)
+            events.append(done)
+        return events
 
     def wait(self, event: Optional[torch.cuda.Event]) -> None:
         """The compute stream waits for ``event`` (no host synchronisation)."""

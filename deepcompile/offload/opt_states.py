@@ -25,7 +25,9 @@ A step (``Engine``):
   back as soon as it has stepped, so the step holds a window of two sub-groups of state, not all;
 * ``after_step()``: each unit the plan offloads and still on the device is copied to the host on
   the offload lane, ordered after the step, and its device storage is freed at once (the allocator
-  is told the offload lane still reads it), so the copy overlaps the next forward.
+  is told the offload lane still reads it), so the copy overlaps the next forward. A unit nothing
+  wrote since it came back (a frozen parameter's shard) is freed without a copy: its host copy is
+  current (``OffloadUnit.host_current``).
 
 Between steps the state is read and written where it is (``Sharding.state_access`` is this
 object): ``locate`` hands the stage a view of an offloaded unit's host buffer once no copy into or
@@ -38,7 +40,7 @@ from that step's measurements, and state first created later (a parameter whose 
 came later) is planned at the step that creates it. Before the first step nothing is offloaded.
 When the step streams, state created by a sub-group is written back provisionally right after it
 (the step could not hold all of it otherwise); what the plan then keeps resident comes back at
-once.
+once, and its host buffer (as that of a master the plan keeps) is released (``host_release.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch.distributed as dist
 
 from deepcompile import compat
 from deepcompile.offload import bandwidth, device_memory, host_memory
+from deepcompile.offload.host_release import HostReleases
 from deepcompile.offload.lanes import CopyLanes
 from deepcompile.offload.plan import OffloadPlan, check_budget, plan_offload
 from deepcompile.offload.settings import OptStateOffloadSettings
@@ -73,6 +76,9 @@ class OffloadUnit:
     early: bool = False  # reloaded from the start of the boundary backward
     on_host: bool = False  # the device storage is freed; the host copy holds the values
     written: Any = None  # completion of the last offload copy
+    # The host buffer holds the device copy's values: nothing wrote the device copy since the last
+    # copy between the two, so a write-back would move the same bytes again (``_offload`` skips it).
+    host_current: bool = False
     reloading: Any = None  # completion of a reload copy the compute stream has not waited for yet
 
     @property
@@ -91,6 +97,7 @@ class OptimizerStateOffload:
         self.group = group
         self.param_names = param_names
         self.lanes = CopyLanes(device)
+        self.releases = HostReleases()  # host buffers of units the plan keeps resident
         if settings.offload_masters and self.lanes.async_ and not self.lanes.shares_runtime_lanes:
             raise RuntimeError("parameter offload needs the deepcompile runtime initialized on " + str(device)
                                + ": its gathers order their reads of host shards after the runtime's offload lane")
@@ -204,6 +211,7 @@ class OptimizerStateOffload:
 
     def before_backward(self, boundary: bool) -> None:
         """Start the reloads that fit beside the backward (only at an accumulation boundary)."""
+        self.releases.poll()
         if not boundary:
             return
         for unit in sorted(self.units.values(), key=lambda u: u.order_key):
@@ -215,6 +223,7 @@ class OptimizerStateOffload:
         the step streams, will be brought in per sub-group."""
         from deepcompile import runtime
 
+        self.releases.poll()
         if self.peak_without is None:
             # First step: measure before any state exists (see plan.py); under ZeRO-1/2 the
             # masters are already there, and resident.
@@ -229,6 +238,8 @@ class OptimizerStateOffload:
             self._new_ids = True
             self._stepped_ids |= ids
         if not self.streams:
+            for unit in self.units.values():
+                unit.host_current = False  # ZeRO-1/2 step every unit whole
             self.materialize()
 
     def before_sub_group(self, index: int, groups: List[List[int]]) -> None:
@@ -245,6 +256,7 @@ class OptimizerStateOffload:
                 self.lanes.wait(unit.reloading)
                 unit.reloading = None
                 self._hand_gathers(unit, to_host=False)
+                unit.host_current = False  # the step updates it in place
 
     def after_sub_group(self, index: int, groups: List[List[int]]) -> None:
         """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
@@ -271,6 +283,7 @@ class OptimizerStateOffload:
     def after_step(self) -> None:
         """Write back what the plan offloads; the next forward overlaps the copies."""
         self.steps += 1
+        self.releases.poll()
         found = self._discover()
         unplanned, self._unplanned, self._replaced = self._unplanned, False, False
         if self._new_ids:
@@ -284,6 +297,25 @@ class OptimizerStateOffload:
                 self._offload(unit)
             else:
                 self._reload(unit)  # written back provisionally, kept by the plan: comes back now
+        for unit in self.units.values():
+            if not unit.planned_out and unit.host is not None:
+                self._release_host(unit)
+
+    def _release_host(self, unit: OffloadUnit) -> None:
+        """``unit`` stays on the device: its host buffer goes (``host_release.py``), so host memory
+        holds only offloaded units. A master's gathers read the device copy from now on. A later
+        plan that offloads the unit again allocates a fresh buffer (``_ensure_host``)."""
+        self.lanes.wait(unit.reloading)  # the compute stream (and the gathers after it) see the reload
+        unit.reloading = None
+        self._hand_gathers(unit, to_host=False)
+        # Recorded after the hand-back: every read of the host copy was queued before these events.
+        self.releases.release(unit.host, self.lanes.readers_done())
+        unit.host, unit.written, unit.host_current = None, None, False
+
+    def host_bytes(self) -> int:
+        """Host memory held for offloaded state: the units' buffers, and those whose release waits
+        for copies still reading them."""
+        return sum(u.host.numel() for u in self.units.values() if u.host is not None) + self.releases.nbytes
 
     def materialize(self) -> None:
         """Bring every offloaded unit back to the device; they stay until the next after_step."""
@@ -307,6 +339,8 @@ class OptimizerStateOffload:
         if not self._discovering:  # (discovery only takes views: no copy needs to be complete)
             self._settle(unit)
         if not unit.on_host:
+            if not self._discovering:
+                unit.host_current = False  # the caller may write the device copy
             return t
         return unit.host.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -511,7 +545,15 @@ class OptimizerStateOffload:
     def _offload(self, unit: OffloadUnit) -> None:
         if unit.on_host:
             return
-        unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+        if unit.host_current:
+            # Unchanged since it came back (a frozen parameter's shard, state of a parameter the
+            # step skipped): the host already has these bytes; only the device copy goes. It may
+            # be freed once the compute stream is past its reload.
+            self.lanes.wait(unit.reloading)
+            unit.reloading = None
+        else:
+            unit.written = self.lanes.offload(unit.host, unit.device_bytes)
+            unit.host_current = True
         self._hand_gathers(unit, to_host=True)
         unit.device_bytes.untyped_storage().resize_(0)
         unit.on_host = True
@@ -573,6 +615,7 @@ class OptimizerStateOffload:
             "offloaded_bytes": offloaded,
             "resident_bytes": resident,
             "reloaded_during_backward_bytes": early,
+            "host_buffer_bytes": self.host_bytes(),
             # Every offloaded byte goes to the host after a step and comes back for the next one.
             "copy_bandwidth": None if link is None else dataclasses.asdict(link),
             "predicted_transfer_s_per_step": None if link is None else link.seconds(offloaded, offloaded),
@@ -599,6 +642,7 @@ class OptimizerStateOffload:
         else:
             self.materialize()
         self.lanes.synchronize()
+        self.releases.drain()
         if self.sharding.state_access is self:
             self.sharding.state_access = None
         for unit in self.units.values():

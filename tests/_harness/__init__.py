@@ -4,6 +4,7 @@
   ``DC_TEST_DEVICE=cuda``) and picks the world sizes the device can host;
 * ``parity_cases`` / ``parity_extra``: small models, data and the single-process reference
   training that the parity tests compare the engine against;
+* ``offload_gpu``: the training run and readings the GPU offload tests share;
 * ``runtime_reference``: seeded parameters and gradients, the ZeRO layouts and the checks shared by
   the op tests in ``tests/runtime/``.
 
