@@ -152,7 +152,11 @@ class Engine:
         module = self._compiled if self._compiled is not None else self.module
         self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
-        out = module(*args, **kwargs)
+        try:
+            out = module(*args, **kwargs)
+        except BaseException:
+            self.sharding.after_failed_forward()
+            raise
         self.step_report.stop("forward")
         return out
 

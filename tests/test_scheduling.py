@@ -426,6 +426,8 @@ def test_compiled_halves_stay_boxed_through_torch_wrappers():
         def track(self, obj):
             pass
 
+        mode = None  # no micro-step is profiled
+
         def wants_profile(self, signature):
             return False
 
@@ -436,7 +438,7 @@ def test_compiled_halves_stay_boxed_through_torch_wrappers():
         args.clear()  # what Inductor's code does, so that inputs can be freed early
 
     driver = Driver()
-    half = _ProfiledCallable(compiled, None, ("sig",), None, driver)
+    half = _ProfiledCallable(compiled, None, ("sig",), None, driver, graph_arg=1)
     wrapped = torch._dynamo.disable(half, reason="test")
     assert getattr(wrapped, "_boxed_call", False) is True
     args = [torch.zeros(1), torch.ones(1)]

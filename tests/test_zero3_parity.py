@@ -197,3 +197,60 @@ def test_initialize_rejects_bad_config_before_touching_the_model():
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps"):
         deepcompile.initialize(model, opt, {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 0})
     assert model.weight.numel() == 9 and torch.isfinite(model.weight).all()  # untouched
+
+
+class _FailingOnce(torch.nn.Module):
+    """A linear layer owning its parameters, whose forward raises once after they were gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 7) * 0.3)
+        self.bias = torch.nn.Parameter(torch.zeros(5))
+        self.fail = False
+
+    def forward(self, x, y):
+        out = torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("injected failure")
+        return ((out - y) ** 2).mean()
+
+
+def _failed_forward_body(ctx):
+    """Eager ZeRO-3 (no compile): the gather hook swaps gathered copies in, and its partner hook,
+    which puts the partitioned parameters back, does not run when the forward raises. The engine
+    restores them, so the next step trains on the real parameters, not a stale copy."""
+    import deepcompile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _FailingOnce().to(ctx.device)
+    reference = _FailingOnce().to(ctx.device)
+    reference.load_state_dict(model.state_dict())
+    engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zero3_config())
+    placeholders = dict(model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    n = GLOBAL_BATCH // world
+    for step in range(3):
+        x, y = batch("mlp", step, device=ctx.device)
+        if step == 1:
+            model.fail = True
+            with pytest.raises(RuntimeError, match="injected failure"):
+                engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+            for name, p in model.named_parameters():
+                assert p is placeholders[name], f"{name}: a gathered copy was left in the module after the failure"
+        loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total.item() / world, ref_loss.item(), **FP32_TOL)
+    engine.destroy()
+
+
+def test_zero3_forward_that_raises_leaves_no_gathered_copy():
+    run_distributed(_failed_forward_body, WORLD, timeout=300)

@@ -64,8 +64,6 @@ from deepcompile.compat.modules import (
     direct_buffers,
     direct_parameters,
     drop_module_compile,
-    register_global_forward_hook,
-    register_global_forward_pre_hook,
     swap_parameter,
 )
 from deepcompile.compat.streams import stream_from_ids
@@ -112,8 +110,6 @@ __all__ = [
     "storage_id",
     "stream_from_ids",
     "drop_module_compile",
-    "register_global_forward_hook",
-    "register_global_forward_pre_hook",
     "swap_parameter",
     "tree_leaves",
     "traced_value",

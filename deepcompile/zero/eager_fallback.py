@@ -76,27 +76,23 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
-        # Modules whose own parameters are partitioned. The hooks are global module hooks that
-        # skip every other module: per-module hooks would give each layer hook ids of its own,
-        # which Dynamo guards on, so identical layers compiled one by one would each be
-        # recompiled instead of sharing one graph (compiler/graph_instances.py).
-        self._hooked: Set[int] = {
-            id(sub) for sub in module.modules()
-            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None)
-        }
-        self._handles = [
-            compat.register_global_forward_pre_hook(self._gather),
-            compat.register_global_forward_hook(self._restore, always_call=True),
-        ]
+        self._hooked: List[nn.Module] = []
+        self._handles = []
+        for sub in module.modules():
+            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None):
+                self._hooked.append(sub)
+                self._handles.append(sub.register_forward_pre_hook(self._gather))
+                # Not always_call: Dynamo guards on each module's always-called hook ids, which
+                # differ from layer to layer, so identical layers compiled one by one would each
+                # be captured again (compiler/graph_instances.py). A forward that raises is
+                # mended by restore_all instead, which the engine calls.
+                self._handles.append(sub.register_forward_hook(self._restore))
 
     def _gather(self, module: nn.Module, args) -> None:
         # Traced into a compiled caller, or about to be compiled as a frame of its own: the graph
         # gathers. Otherwise the forward runs eagerly, here (torch 2.11 runs a module called from
         # a frame it skipped this way: its forward is torch's own code, not compiled as a frame).
-        # Under tracing nothing about the module is read first: Dynamo would guard on it.
-        if torch.compiler.is_compiling() or id(module) not in self._hooked:
-            return
-        if compat.will_compile_frame(module.forward):
+        if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward):
             return
         self._gather_now(module)
 
@@ -127,6 +123,15 @@ class EagerGatherHooks:
             return
         for name, p in stack.pop().items():
             compat.swap_parameter(module, name, p)
+
+    def restore_all(self) -> None:
+        """After a forward that raised: every module still holding gathered copies (its forward
+        hook never ran) gets its partitioned parameters back."""
+        for module in self._hooked:
+            stack = module.__dict__.get("_dc_originals")
+            while stack:
+                for name, p in stack.pop().items():
+                    compat.swap_parameter(module, name, p)
 
     def leaf_scope(self, leaf: nn.Module) -> ContextManager[None]:
         """Gathers every partitioned parameter below ``leaf`` at once (leaf_modules.py)."""
