@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One GPU-machine call for shared graph instances and regional compilation (issue 16 part 6),
+# plus the offload GPU tests changed since their last GPU run (issue 18), on one GPU:
+#   1. build;
+#   2. the tests the change touches, at world size 1 (per-layer and regional compilation, the
+#      ZeRO-3 / ZeRO-1/2 parity suites, the runtime op suites, the offload GPU tests);
+#   3. time to the first scheduled step side by side, cold Inductor cache and warm restart:
+#      ZeRO-3 + prefetch compiled whole, the same per layer, FSDP2 + compile
+#      (bench/train_bench.py default 1B model); the table goes to $OUT/compile.md.
+# Each part has its own time limit, so a part that runs long costs only its own results.
+#
+#   bash scripts/gpu_regional.sh              # from the device tool: OUT is set there
+set -uo pipefail
+MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/gpu_prelude.sh"
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+{
+  date -u; nvidia-smi --query-gpu=name --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  echo "source digest $(bash scripts/source_digest.sh)"
+} 2>&1 | tee "$OUT/env.txt"
+gpu_build
+echo "built at $(elapsed) s"
+
+if [ "${REGIONAL_TESTS:-1}" = 1 ]; then
+  DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
+    tests/test_per_layer_compile.py tests/test_regional_compile.py tests/runtime \
+    tests/test_zero3_parity.py -k "llama or qwen2 or custom_op or raises or mlp" \
+    > "$OUT/pytest-regional.log" 2>&1
+  echo "regional tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-regional.log"
+  DC_TEST_DEVICE=cuda timeout "${OFFLOAD_TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -k gpu \
+    tests/test_activation_memory.py tests/test_offload.py tests/test_param_offload.py \
+    > "$OUT/pytest-offload.log" 2>&1
+  echo "offload GPU tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-offload.log"
+fi
+
+timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node 1 bench/train_bench.py \
+  --methods "${BENCH_METHODS:-z3-prefetch,z3-prefetch-regional,fsdp2}" --warmup 3 --steps 3 \
+  --compile-cache cold --warm-start --markdown "$OUT/compile.md" > "$OUT/bench.log" 2>&1
+echo "bench rc=$? at $(elapsed) s"; cat "$OUT/compile.md" 2>/dev/null || tail -20 "$OUT/bench.log"
