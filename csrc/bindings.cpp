@@ -114,6 +114,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("register_graph", [](int64_t graph_id, std::vector<int64_t> ids, int64_t stage) {
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
   }, py::call_guard<py::gil_scoped_release>());
+  m.def("graph_param_ids", [](int64_t graph_id) { return currentRuntime().executor(graph_id, "graph_param_ids").ids(); });
   m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
   m.def("set_host_shard", [](int64_t id, std::optional<at::Tensor> host) { currentRuntime().setHostShard(id, host); },
         py::call_guard<py::gil_scoped_release>());

@@ -257,6 +257,11 @@ def register_graph(graph_id: int, ds_ids: Sequence[int], stage: int) -> None:
     _C.register_graph(int(graph_id), [int(i) for i in ds_ids], int(stage))
 
 
+def graph_param_ids(graph_id: int) -> List[int]:
+    """The ds ids ``graph_id`` was registered with, in slot order (the slot overloads' lookup)."""
+    return list(_C.graph_param_ids(int(graph_id)))
+
+
 def set_persistent(ds_id: int, persistent: bool = True) -> None:
     """Keep parameter ``ds_id`` gathered across releases (selective unsharding)."""
     _C.set_persistent(int(ds_id), bool(persistent))

@@ -65,6 +65,11 @@ class _GatherCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.dc.allgather_param.default:
             self.counts[(args[1], args[2])] += 1
+        elif func is torch.ops.dc.allgather_param.slot:  # compiled code: graph instance and slot as data
+            from deepcompile import runtime
+
+            graph_id = int(args[1])
+            self.counts[(graph_id, runtime.graph_param_ids(graph_id)[args[2]])] += 1
         return func(*args, **(kwargs or {}))
 
 

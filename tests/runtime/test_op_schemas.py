@@ -35,6 +35,15 @@ EXPECTED_SCHEMAS = {
     "end_backward": "(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()",
     "free_tensors": "(Tensor(a!)[] a) -> ()",
 }
+# The slot overloads compiled code calls (passes/slot_ops.py): graph instance and slot as data.
+EXPECTED_SLOT_SCHEMAS = {
+    "allgather_param": "(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor",
+    "prefetch_params_fused": "(Tensor graph, Tensor[] params, int[] slots, ScalarType[]? dtypes=None) -> ()",
+    "wait_allgather": "(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)",
+    "release_param": "(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)",
+    "reduce_grad": "(Tensor a, Tensor graph, int slot) -> Tensor",
+    "end_backward": "(Tensor[] deps, Tensor graph, bool release_reduce_buckets) -> ()",
+}
 
 # Only the two checks every op here can take part in. Not used, and why:
 # * test_autograd_registration: the ops are inserted into the forward/backward graphs after AOT
@@ -93,6 +102,13 @@ def test_schema(name):
     assert hasattr(ops, name), f"torch.ops.dc.{name} is not registered"
     got = getattr(ops, name).default._schema
     want = torch._C.parse_schema(f"dc::{name}{EXPECTED_SCHEMAS[name]}")
+    assert got == want, f"\n got: {got}\nwant: {want}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SLOT_SCHEMAS))
+def test_slot_schema(name):
+    got = getattr(ops, name).slot._schema
+    want = torch._C.parse_schema(f"dc::{name}.slot{EXPECTED_SLOT_SCHEMAS[name]}")
     assert got == want, f"\n got: {got}\nwant: {want}"
 
 
@@ -278,3 +294,51 @@ def test_fake_kernels_have_no_side_effects(rt):
     del out  # (never printed by a failing assert: its storage may be freed)
     assert first > 0, "the first of two releases freed: the fake release armed the countdown"
     assert second == 0, "the second of two releases did not free"
+
+
+# ----------------------------------------------------------------------------------------------
+# slot overloads: the graph instance (a zero-dimensional int64 CPU tensor) and a slot name the
+# parameter; slot i is the i-th id register_graph was given.
+# ----------------------------------------------------------------------------------------------
+
+
+def _register_two_in_slots(rt_graph=GRAPH):
+    """ds ids 5 and 3 in graph ``rt_graph``, registered in slot order [5, 3]."""
+    full5, shard5, _ = _register_z3(5, (2, 4))
+    full3, shard3, _ = _register_z3(3, (5, 3))
+    runtime.register_graph(rt_graph, [5, 3], 3)
+    return torch.tensor(rt_graph, dtype=torch.int64), (full5, shard5), (full3, shard3)
+
+
+def test_slot_ops_resolve_the_instance_and_slot(rt):
+    graph, (full5, shard5), (full3, shard3) = _register_two_in_slots()
+    placeholder = make_placeholder(full3.shape, full3.dtype, full3.device)
+    torch.library.opcheck(ops.allgather_param.slot, (placeholder, graph, 1), {"dtype": torch.float32},
+                          test_utils=OPCHECK_UTILS)
+    out = ops.wait_allgather.slot(ops.allgather_param.slot(shard3, graph, 1, dtype=torch.float32), graph, 1)
+    assert torch.equal(out, full3), "slot 1 must be ds id 3"
+    torch.library.opcheck(ops.wait_allgather.slot, (out, graph, 1), test_utils=OPCHECK_UTILS)
+    ops.release_param.slot(out * 1, graph, 1, 1)
+    assert not runtime.is_gathered(3)
+    torch.library.opcheck(ops.prefetch_params_fused.slot, (graph, [shard5], [0]), {"dtypes": [torch.float32]},
+                          test_utils=OPCHECK_UTILS)
+    assert runtime.is_gathered(5) and not runtime.is_gathered(3)
+    runtime.start_backward(True)
+    grad = torch.randn(5, 3)
+    torch.library.opcheck(ops.reduce_grad.slot, (grad, graph, 1), test_utils=OPCHECK_UTILS)
+    dep = ops.reduce_grad.slot(grad, graph, 1)
+    torch.library.opcheck(ops.end_backward.slot, ([dep], graph, True), test_utils=OPCHECK_UTILS)
+    assert runtime.pending_reduce_tasks() == 0
+    assert runtime.graph_param_ids(GRAPH) == [5, 3]
+
+
+def test_slot_ops_reject_bad_instances_and_slots(rt):
+    graph, _, (full3, shard3) = _register_two_in_slots()
+    with pytest.raises(RuntimeError, match="slot 2 is out of range for graph 7, which has 2 parameter slots"):
+        ops.allgather_param.slot(shard3, graph, 2, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="zero-dimensional int64 CPU tensor"):
+        ops.allgather_param.slot(shard3, torch.tensor([GRAPH]), 1, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="zero-dimensional int64 CPU tensor"):
+        ops.reduce_grad.slot(torch.randn(5, 3), torch.tensor(float(GRAPH)), 1)
+    with pytest.raises(RuntimeError, match="graph id 99 is not registered"):
+        ops.wait_allgather.slot(shard3, torch.tensor(99), 1)
