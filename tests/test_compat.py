@@ -572,3 +572,68 @@ def test_stream_from_ids_round_trips_a_stream():
     wrapped = compat.stream_from_ids(0, -1, 0)  # the CPU's default stream
     assert isinstance(wrapped, torch.Stream)
     assert (wrapped.stream_id, wrapped.device_index, wrapped.device) == (0, -1, torch.device("cpu"))
+
+
+def test_save_forward_input_for_backward_hands_the_input_to_the_backward():
+    # b is a forward input the backward does not need; saved after the partition, the backward
+    # receives it under the given name, the gradients unchanged.
+    seen = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = compat.min_cut_partition(joint, joint_inputs, **kwargs)
+        n = compat.partition_forward_output_count(kwargs)
+        seen["node"] = compat.save_forward_input_for_backward(fw, bw, 2, n, "dc_saved_b")
+        return fw, bw
+
+    def fw(gm, inputs):
+        return compat.boxed(gm.forward)
+
+    def bw(gm, inputs):
+        placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+        index = [p.name for p in placeholders].index("dc_saved_b")
+        assert seen["node"].name == "dc_saved_b"  # aot_autograd may hand over a copy of the graph
+        assert not compat.is_incoming_gradient(placeholders[index])
+
+        def run(args):
+            seen["value"] = args[index].clone()
+            return gm.forward(*args)
+
+        return compat.boxed(lambda *args: run(list(args)))
+
+    def f(w, x, b):
+        return ((x @ w.t()) * 2).sum() + b.sum() * 0
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    b = torch.randn(5)
+    torch.compile(f, backend=compat.aot_backend(fw, bw, partition), fullgraph=True)(w, x, b).backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(seen["value"], b)
+    rw, rx = w.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    f(rw, rx, b).backward()
+    torch.testing.assert_close(w.grad, rw.grad)
+    torch.testing.assert_close(x.grad, rx.grad)
+
+
+def test_drop_module_compile_runs_the_plain_forward_again():
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return gm.forward
+
+    class Double(torch.nn.Module):  # not a torch.nn class: Dynamo traces its forward as a frame
+        def forward(self, x):
+            return x * 2
+
+    torch._dynamo.reset()
+    module = Double()
+    module.compile(backend=backend)
+    module(torch.randn(1, 2))
+    assert len(traced) == 1
+    compat.drop_module_compile(module)
+    torch._dynamo.reset()
+    module(torch.randn(1, 2))
+    assert len(traced) == 1, "the module still ran compiled"

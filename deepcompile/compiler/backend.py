@@ -149,6 +149,10 @@ class DeepCompileBackend:
         except Exception:
             fallback = self._graph_not_compiled(gm, slots, example_inputs)
             if fallback is None:
+                # Nothing was compiled: Dynamo splits the graph (or restarts the trace) and
+                # compiles the pieces as graphs of their own; this record never runs.
+                self.graphs.remove(record)
+                self.instances.pop(record.graph_id, None)
                 raise
             return fallback, first, False
 
