@@ -64,6 +64,7 @@ from deepcompile.compat.modules import (
     direct_buffers,
     direct_parameters,
     drop_module_compile,
+    share_always_called_hooks,
     swap_parameter,
 )
 from deepcompile.compat.streams import stream_from_ids
@@ -110,6 +111,7 @@ __all__ = [
     "storage_id",
     "stream_from_ids",
     "drop_module_compile",
+    "share_always_called_hooks",
     "swap_parameter",
     "tree_leaves",
     "traced_value",

@@ -1,9 +1,10 @@
-"""nn.Module internals: swapping a registered parameter for a plain tensor for one call, undoing
-``nn.Module.compile``."""
+"""nn.Module internals: swapping a registered parameter for a plain tensor for one call, hooks that
+run even when a forward raises, undoing ``nn.Module.compile``."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from collections import OrderedDict
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -33,3 +34,27 @@ def drop_module_compile(module: nn.Module) -> None:
     """Undo ``module.compile()``: calls run the plain forward again. Relies on the
     ``_compiled_call_impl`` attribute ``nn.Module.compile`` sets."""
     module._compiled_call_impl = None
+
+
+def share_always_called_hooks(modules: Sequence[nn.Module]) -> Callable[[], None]:
+    """Give ``modules`` one registry of their forward hooks that run even when the forward raises
+    (``register_forward_hook(..., always_call=True)`` ids); returns the undo.
+
+    Each module keeps that registry as a dict of hook ids, and Dynamo, inlining a module call,
+    guards on the ids it finds there: identical layers, each with a hook of its own id, would
+    then never share a compiled graph. With one registry holding every module's ids, the guard
+    holds for every layer (a module runs only the hooks it has itself, so the others' ids change
+    nothing). Relies on ``nn.Module._forward_hooks_always_called``.
+    """
+    shared: Dict[int, bool] = OrderedDict()
+    for module in modules:
+        shared.update(module._forward_hooks_always_called)
+        module._forward_hooks_always_called = shared
+
+    def undo() -> None:
+        for module in modules:
+            if module._forward_hooks_always_called is shared:
+                module._forward_hooks_always_called = OrderedDict(
+                    (hook_id, True) for hook_id in module._forward_hooks if hook_id in shared)
+
+    return undo

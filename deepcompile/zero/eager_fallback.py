@@ -76,17 +76,19 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
-        self._hooked: List[nn.Module] = []
+        self._hooked: List[nn.Module] = [
+            sub for sub in module.modules()
+            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None)
+        ]
+        # The restore runs even when the forward raises (a checkpoint's recomputation stops that
+        # way once it has what it needs). Each module would record its always-run hook id, which
+        # Dynamo guards on: identical layers compiled one by one would each be captured again
+        # (compiler/graph_instances.py). One shared record keeps them identical.
+        self._unshare = compat.share_always_called_hooks(self._hooked)
         self._handles = []
-        for sub in module.modules():
-            if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None):
-                self._hooked.append(sub)
-                self._handles.append(sub.register_forward_pre_hook(self._gather))
-                # Not always_call: Dynamo guards on each module's always-called hook ids, which
-                # differ from layer to layer, so identical layers compiled one by one would each
-                # be captured again (compiler/graph_instances.py). A forward that raises is
-                # mended by restore_all instead, which the engine calls.
-                self._handles.append(sub.register_forward_hook(self._restore))
+        for sub in self._hooked:
+            self._handles.append(sub.register_forward_pre_hook(self._gather))
+            self._handles.append(sub.register_forward_hook(self._restore, always_call=True))
 
     def _gather(self, module: nn.Module, args) -> None:
         # Traced into a compiled caller, or about to be compiled as a frame of its own: the graph
@@ -125,8 +127,9 @@ class EagerGatherHooks:
             compat.swap_parameter(module, name, p)
 
     def restore_all(self) -> None:
-        """After a forward that raised: every module still holding gathered copies (its forward
-        hook never ran) gets its partitioned parameters back."""
+        """After a forward that raised: every module still holding gathered copies (a forward
+        hook that did not run, e.g. one raising before ours) gets its partitioned parameters
+        back."""
         for module in self._hooked:
             stack = module.__dict__.get("_dc_originals")
             while stack:
@@ -170,6 +173,7 @@ class EagerGatherHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._unshare()
 
 
 # The hooks run for real whenever a module is called eagerly: never compiled as frames of their
