@@ -16,7 +16,7 @@ another instance's ids.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -39,25 +39,7 @@ def to_slot_ops(gm: GraphModule, graph_id: int, slot_ids: Sequence[int], graph_i
     """Rewrite every runtime op of ``graph_id`` into its slot overload reading ``graph_input``;
     ``slot_ids`` are the graph's ds ids in slot order. Returns the number of ops rewritten."""
     slot_of: Dict[int, int] = {ds_id: slot for slot, ds_id in enumerate(slot_ids)}
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        form = _SLOT_FORMS.get(node.target) if node.op == "call_function" else None
-        if form is None:
-            continue
-        target, graph_pos, id_pos = form
-        args = list(node.args)
-        if args[graph_pos] != graph_id:
-            raise RuntimeError(f"deepcompile: {node.name} belongs to graph {args[graph_pos]}, not {graph_id}")
-        args[graph_pos] = graph_input
-        if id_pos is not None:
-            ids = args[id_pos]
-            args[id_pos] = [slot_of[i] for i in ids] if isinstance(ids, (list, tuple)) else slot_of[ids]
-        node.target = target
-        node.args = tuple(args)
-        # Inductor constrains a custom op's inputs to the strides recorded here, position by
-        # position: the record of the constant form no longer matches the arguments.
-        node.meta.pop("eager_input_vals", None)
-        rewritten += 1
+    rewritten = _rewrite_ids(gm.graph, graph_id, graph_input, slot_of, to_slots=True)
     gm.graph.lint()
     gm.recompile()
     return rewritten
@@ -69,21 +51,38 @@ def rebind(gm: GraphModule, graph_id: int, new_graph_id: int, id_map: Dict[int, 
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = GraphModule(gm, graph)
-    for node in copy.graph.nodes:
+    _rewrite_ids(copy.graph, graph_id, new_graph_id, id_map, to_slots=False)
+    copy.recompile()
+    return copy
+
+
+def _rewrite_ids(graph: torch.fx.Graph, graph_id: int, new_graph: Any, id_map: Dict[int, int], to_slots: bool) -> int:
+    """Replace, in every runtime op of ``graph_id``, the graph argument by ``new_graph`` and each ds
+    id by ``id_map[id]``; ``to_slots``: also switch to the slot overload (every runtime op of the
+    graph must then be ``graph_id``'s)."""
+    count = 0
+    for node in graph.nodes:
         form = _SLOT_FORMS.get(node.target) if node.op == "call_function" else None
         if form is None:
             continue
-        _, graph_pos, id_pos = form
+        target, graph_pos, id_pos = form
         args = list(node.args)
         if args[graph_pos] != graph_id:
+            if to_slots:
+                raise RuntimeError(f"deepcompile: {node.name} belongs to graph {args[graph_pos]}, not {graph_id}")
             continue
-        args[graph_pos] = new_graph_id
+        args[graph_pos] = new_graph
         if id_pos is not None:
             ids = args[id_pos]
             args[id_pos] = [id_map[i] for i in ids] if isinstance(ids, (list, tuple)) else id_map[ids]
         node.args = tuple(args)
-    copy.recompile()
-    return copy
+        if to_slots:
+            node.target = target
+            # Inductor constrains a custom op's inputs to the strides recorded here, position by
+            # position: the record of the constant form no longer matches the arguments.
+            node.meta.pop("eager_input_vals", None)
+        count += 1
+    return count
 
 
 def uses_slot_ops(gm: GraphModule) -> bool:
