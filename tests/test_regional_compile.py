@@ -101,3 +101,45 @@ def test_regional_needs_blocks():
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
     # A block inside another block is compiled as part of it.
     assert find_regions(nested, ["Sequential"]) == [nested]
+
+
+def _dynamic_body(ctx, backend):
+    """Sequence lengths change every step under dynamic=True: the shared layer graph has symbolic
+    sizes, so a plan switch recompiles the blocks with a fresh backend (no in-place re-plan)."""
+    import torch.distributed as dist
+
+    import deepcompile
+    from _harness.parity_cases import GLOBAL_BATCH, build_model, make_optimizer
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, reference = build_model("llama", device=ctx.device), build_model("llama", device=ctx.device)
+    config = _config(3)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
+    engine.compile(backend=backend, regional=True, dynamic=True)
+    ref_opt = make_optimizer(reference.parameters())
+    n = GLOBAL_BATCH // world
+    for step, length in enumerate([8, 11, 6, 13]):
+        tokens = torch.randint(0, 61, (GLOBAL_BATCH, length), generator=torch.Generator().manual_seed(step))
+        tokens = tokens.to(ctx.device)
+        mine = tokens[rank * n:(rank + 1) * n]
+        loss = engine(mine, mine)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(tokens, tokens)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total.item() / world, ref_loss.item(), **TOL[backend])
+    state = engine.full_state_dict(all_ranks=True)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value.detach().float().cpu(), **TOL[backend],
+                                   msg=lambda m: f"{name}: {m}")
+    engine.destroy()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_regional_variable_lengths(backend):
+    run_distributed(_dynamic_body, WORLD, args=(backend,), timeout=900)
