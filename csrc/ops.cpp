@@ -31,8 +31,11 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
                            std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
   Runtime& rt = currentRuntime();
   Z3Executor& ex = rt.z3Executor(graph_id, "prefetch_params_fused");
-  TORCH_CHECK(params.size() == ids.size(), "dc.prefetch_params_fused: ", params.size(), " params but ", ids.size(),
-              " ids");
+  // The parameters only document the graph's data flow: the runtime finds them by id. Code that
+  // launches a group outside any graph (prefetch across graphs, scheduling/instance_chain.py)
+  // passes none.
+  TORCH_CHECK(params.empty() || params.size() == ids.size(), "dc.prefetch_params_fused: ", params.size(),
+              " params but ", ids.size(), " ids");
   TORCH_CHECK(!dtypes.has_value() || dtypes->size() == ids.size(), "dc.prefetch_params_fused: ", ids.size(),
               " ids but ", dtypes.has_value() ? dtypes->size() : 0, " dtypes");
   std::vector<DsId> id_list(ids.begin(), ids.end());

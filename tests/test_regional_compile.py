@@ -68,6 +68,9 @@ def _body(ctx, name, backend, stage, steps):
         assert "prefetch" in driver.applied.passes
         profiled = [sig for sig in driver.profiles if sig[0] == "forward"]
         assert len(profiled) == len(backend_obj.instances), "every layer instance is profiled once"
+        # Prefetch across layers: each layer, forward and backward, starts the next one's first group.
+        assert {phase for phase, _ in driver.chain.links} == {"forward", "backward"}, driver.chain.links
+        assert driver.chain.launched > 0
         # Parameters outside the layers (embedding, final norm, head) run eagerly, gathered by the hooks.
         eager = engine.eagerly_gathered_params()
         leaves = () if _experts_traceable() else (".mlp.experts.",)
@@ -143,3 +146,29 @@ def _dynamic_body(ctx, backend):
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_regional_variable_lengths(backend):
     run_distributed(_dynamic_body, WORLD, args=(backend,), timeout=900)
+
+
+class _Instance:
+    def __init__(self, graph_id, template_graph_id):
+        self.graph_id, self.template_graph_id = graph_id, template_graph_id
+
+
+def test_instance_chain_links_only_unambiguous_shared_successors():
+    from deepcompile.scheduling.instance_chain import InstanceChain
+
+    embed, a, b, c, head = _Instance(1, 1), _Instance(2, 2), _Instance(3, 2), _Instance(4, 2), _Instance(5, 5)
+    chain = InstanceChain()
+    chain.note("forward", a)  # not recording yet: ignored
+    chain.start_recording()
+    for instance in (embed, a, b, c, head):
+        chain.note("forward", instance)
+    for instance in (c, b, a, b, c):  # b is followed by a, then by c: no link from b
+        chain.note("backward", instance)
+    chain.stop_recording()
+    chain.build(None, torch.device("cpu"))
+    links = {key: v.graph_id for key, v in chain.links.items()}
+    # embed -> a: a's graph is shared (a, b, c), so the link is kept; c -> head: head's graph is not.
+    assert links == {("forward", 1): 2, ("forward", 2): 3, ("forward", 3): 4,
+                     ("backward", 4): 3, ("backward", 2): 3}, links
+    chain.clear()
+    assert not chain.links

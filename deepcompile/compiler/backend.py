@@ -104,12 +104,12 @@ class DeepCompileBackend:
         self._shared_graphs.append(graph)
         return graph
 
-    def _new_instance(self, template_ids: List[int], slot_ids: List[int]) -> GraphInstance:
-        """Another parameter set for compiled code: a graph id of its own, registered with the
-        runtime with ``slot_ids`` (compiler/graph_instances.py)."""
+    def _new_instance(self, first: GraphInstance, slot_ids: List[int]) -> GraphInstance:
+        """Another parameter set for the code compiled with ``first``: a graph id of its own,
+        registered with the runtime with ``slot_ids`` (compiler/graph_instances.py)."""
         graph_id = next(self._next_graph_id)
         runtime.register_graph(graph_id, slot_ids, stage=self.stage)
-        instance = GraphInstance(graph_id, slot_ids, template_ids)
+        instance = GraphInstance(graph_id, slot_ids, first.slot_ids, template_graph_id=first.graph_id)
         self.instances[graph_id] = instance
         return instance
 
@@ -259,6 +259,7 @@ class DeepCompileBackend:
                 half_plan = replan.HalfPlan(base, record.graph_id, phase,
                                             self._compiler_for_later(record, inputs, is_backward, graph_arg))
             plan = self.driver.prefetch_plan(gm, signature)
+            self.driver.chain.set_head(phase, record.graph_id, plan)
             if plan is not None:
                 apply_prefetch(gm, record.graph_id, plan)
             if half_plan is not None and not record.offload_sites:
@@ -394,9 +395,15 @@ class _ProfiledCallable:
         if driver is None:
             raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
         checking = bool(self.reduces) and debug_checks.LEDGER is not None
+        chain = driver.chain
         if driver.mode is None and not checking:
+            if chain.links:  # the next layer's first gathers, while this one runs
+                chain.launch_after(self.signature[0], int(boxed[self.graph_arg]))
             return self.run_compiled(boxed)
         instance = self.record.instances[int(boxed[self.graph_arg])]
+        chain.note(self.signature[0], instance)
+        if chain.links:
+            chain.launch_after(self.signature[0], instance.graph_id)
         first = instance.graph_id == self.record.graph_id
         if checking:
             debug_checks.note_reductions(self.reduces if first else instance.ds_ids(self.reduces))

@@ -41,11 +41,14 @@ def binding_of(inputs: Sequence[Any], ds_id_of: Dict[int, int]) -> Binding:
 class GraphInstance:
     """One parameter set of a compiled graph: its graph id and ds ids in slot order."""
 
-    __slots__ = ("graph_id", "slot_ids", "graph_tensor", "_from_template")
+    __slots__ = ("graph_id", "slot_ids", "graph_tensor", "template_graph_id", "_from_template")
 
-    def __init__(self, graph_id: int, slot_ids: Sequence[int], template_ids: Sequence[int]):
+    def __init__(self, graph_id: int, slot_ids: Sequence[int], template_ids: Sequence[int],
+                 template_graph_id: Optional[int] = None):
         self.graph_id = graph_id
         self.slot_ids = list(slot_ids)
+        # The first instance of the compiled graph (whose constants the passes and plans name).
+        self.template_graph_id = graph_id if template_graph_id is None else template_graph_id
         self.graph_tensor = torch.tensor(graph_id, dtype=torch.int64)  # zero-dimensional, on the host
         self._from_template = dict(zip(template_ids, self.slot_ids))
 
@@ -78,12 +81,12 @@ class SharedGraph:
     """What Dynamo calls for one captured graph.
 
     ``compile_template(gm, inputs)`` compiles a copy of the captured graph for the parameters in
-    ``inputs`` and returns ``(compiled, first instance, shared)``; ``new_instance(template ids,
+    ``inputs`` and returns ``(compiled, first instance, shared)``; ``new_instance(first instance,
     ds ids)`` registers another parameter set of a compiled graph."""
 
     def __init__(self, pristine: GraphModule, template: Template, ds_id_of: Dict[int, int],
                  compile_template: Callable[[GraphModule, List[Any]], Tuple[Callable, GraphInstance, bool]],
-                 new_instance: Callable[[Sequence[int], Sequence[int]], GraphInstance],
+                 new_instance: Callable[[GraphInstance, Sequence[int]], GraphInstance],
                  copy_graph: Callable[[GraphModule], GraphModule]):
         self._pristine = pristine
         self._first = template
@@ -113,7 +116,7 @@ class SharedGraph:
         positions = tuple(i for i, _ in binding)
         first = self._first
         if positions == first.positions and first.shared:
-            instance = self._new_instance(first.first.slot_ids, ids)
+            instance = self._new_instance(first.first, ids)
             first.instances[ids] = instance
             log.debug("deepcompile: graph %d runs for another parameter set as graph %d", first.first.graph_id,
                       instance.graph_id)
@@ -130,7 +133,7 @@ class SharedGraph:
         if instance is None:
             if not template.shared:
                 raise AssertionError("an unshared template is keyed by its whole binding")
-            instance = self._new_instance(template.first.slot_ids, ids)
+            instance = self._new_instance(template.first, ids)
             template.instances[ids] = instance
         return template, instance
 

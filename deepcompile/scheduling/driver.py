@@ -41,6 +41,7 @@ from deepcompile import runtime
 from deepcompile.profiling.comm_model import CommModel, measure_allgather
 from deepcompile.profiling.graph_profiler import GraphProfile, ProfileAborted, profile_graph
 from deepcompile.scheduling import planner
+from deepcompile.scheduling.instance_chain import InstanceChain
 from deepcompile.scheduling.report import ScheduleReport
 from deepcompile.scheduling.schedule import PLAIN, PassSchedule, ScheduleEntry, needs_profile
 
@@ -86,6 +87,7 @@ class ScheduleDriver:
         self.report = ScheduleReport(compile_config, rank, param_names or {})
         self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
         self._halves: List[Any] = []  # weak references to the compiled halves handed to torch
+        self.chain = InstanceChain()  # prefetch across graphs (shared layer graphs)
 
     # ---- compiled graphs --------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ class ScheduleDriver:
         self._halves = []
         self.graphs, self.gathers, self.profiles = {}, {}, {}
         self.report.verify_profiles = {}
+        self.chain = InstanceChain()
 
     # ---- what the backend asks --------------------------------------------------------------
 
@@ -144,8 +147,10 @@ class ScheduleDriver:
             self.mode = "verify"
         elif self._upcoming(global_steps) is not None:
             self.mode = "plan"
+            self.chain.start_recording()
 
     def end_micro_step(self) -> None:
+        self.chain.stop_recording()
         if self.mode == "verify":
             self._verify_pending = False
             self.report.measured(self.report.verify_profiles)
@@ -206,6 +211,10 @@ class ScheduleDriver:
 
     def _switch(self, entry: ScheduleEntry, global_steps: int) -> None:
         self.applied = entry
+        if "prefetch" in entry.passes:
+            self.chain.build(self.group, self.device)  # collective, like the budget below
+        else:
+            self.chain.clear()
         if entry.passes and self.comm is None:
             self.comm = measure_allgather(self.group, self.device, max_bytes=self._largest_gather_bytes())
         for ds_id in self.chosen_persistent:

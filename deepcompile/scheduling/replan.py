@@ -160,6 +160,7 @@ def replan(half: Any, driver: Any) -> bool:
             return False  # same graph: keep the compiled code (or the deferred compile)
     gm = _copy(plan_state.base)
     plan = driver.prefetch_plan(gm, half.signature)
+    driver.chain.set_head(plan_state.phase, plan_state.graph_id, plan)
     if plan is not None:
         apply_prefetch(gm, plan_state.graph_id, plan)
     if plan_state.phase == "backward" and half.record.offload_sites:
