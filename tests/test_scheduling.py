@@ -421,12 +421,14 @@ def test_compiled_halves_stay_boxed_through_torch_wrappers():
     import torch
 
     from deepcompile.compiler.backend import _ProfiledCallable
+    from deepcompile.scheduling.instance_chain import InstanceChain
 
     class Driver:
         def track(self, obj):
             pass
 
         mode = None  # no micro-step is profiled
+        chain = InstanceChain()  # no prefetch across graphs
 
         def wants_profile(self, signature):
             return False
