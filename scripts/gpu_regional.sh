@@ -10,6 +10,7 @@
 # Each part has its own time limit, so a part that runs long costs only its own results.
 #
 #   bash scripts/gpu_regional.sh              # from the device tool: OUT is set there
+#   BENCH_NPROC=2 TEST_WORLD_SIZES=2 bash scripts/gpu_regional.sh   # on 2 GPUs (prefetch across layers)
 set -uo pipefail
 MAX_JOBS=${MAX_JOBS:-16}
 source "$(dirname "$0")/gpu_prelude.sh"
@@ -24,7 +25,7 @@ gpu_build
 echo "built at $(elapsed) s"
 
 if [ "${REGIONAL_TESTS:-1}" = 1 ]; then
-  DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
+  DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=${TEST_WORLD_SIZES:-1} timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
     tests/test_per_layer_compile.py tests/test_regional_compile.py tests/runtime \
     tests/test_zero3_parity.py -k "llama or qwen2 or custom_op or raises or mlp" \
     > "$OUT/pytest-regional.log" 2>&1
@@ -35,7 +36,7 @@ if [ "${REGIONAL_TESTS:-1}" = 1 ]; then
   echo "offload GPU tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-offload.log"
 fi
 
-timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node 1 bench/train_bench.py \
+timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node "${BENCH_NPROC:-1}" bench/train_bench.py \
   --methods "${BENCH_METHODS:-z3-prefetch,z3-prefetch-regional,fsdp2}" --warmup 3 --steps 3 \
   --compile-cache cold --warm-start --markdown "$OUT/compile.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at $(elapsed) s"; cat "$OUT/compile.md" 2>/dev/null || tail -20 "$OUT/bench.log"
