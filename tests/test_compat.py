@@ -637,3 +637,66 @@ def test_drop_module_compile_runs_the_plain_forward_again():
     torch._dynamo.reset()
     module(torch.randn(1, 2))
     assert len(traced) == 1, "the module still ran compiled"
+
+
+def test_share_always_called_hooks_keeps_identical_layers_in_one_capture():
+    """Forward hooks that run even when the forward raises, on identical layers compiled one by
+    one: with one shared registry Dynamo captures the layer once (its guards name the first
+    layer's hook id); the hooks still run on a raising forward; the undo gives each module back
+    a registry of its own hooks."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("stop")
+
+    ran = []
+
+    def hook(module, args, output):
+        if not torch.compiler.is_compiling():
+            ran.append(module)
+
+    def captures(shared: bool) -> int:
+        torch._dynamo.reset()
+        layers = [Layer() for _ in range(3)]
+        inner = [layer.lin for layer in layers]
+        undo = compat.share_always_called_hooks(inner) if shared else (lambda: None)
+        handles = [m.register_forward_hook(hook, always_call=True) for m in inner]
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        for layer in layers:
+            layer.compile(backend=backend)
+        x = torch.randn(2, 4, requires_grad=True)  # every layer's input alike
+        for layer in layers:
+            x = layer(x)
+        for h in handles:
+            h.remove()
+        undo()
+        torch._dynamo.reset()
+        return len(graphs)
+
+    assert captures(shared=False) == 3  # what the shared registry prevents
+    assert captures(shared=True) == 1
+
+    failing = [Failing(), Failing()]
+    undo = compat.share_always_called_hooks(failing)
+    ran.clear()
+    handles = [m.register_forward_hook(hook, always_call=True) for m in failing]
+    with pytest.raises(RuntimeError, match="stop"):
+        failing[1](torch.zeros(1))
+    assert ran == [failing[1]], "the always-called hook ran for the raising module only"
+    undo()
+    for module, handle in zip(failing, handles):
+        assert dict(module._forward_hooks_always_called) == {handle.id: True}
+    assert failing[0]._forward_hooks_always_called is not failing[1]._forward_hooks_always_called
