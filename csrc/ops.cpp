@@ -111,7 +111,7 @@ at::Tensor allgather_param_slot(const at::Tensor& a, const at::Tensor& graph, in
                          dtype);
 }
 
-void prefetch_params_fused_slot(const at::Tensor& graph, at::TensorList params, at::IntArrayRef slots,
+void prefetch_params_fused_slot(at::TensorList params, const at::Tensor& graph, at::IntArrayRef slots,
                                 std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
   const GraphId graph_id = graphOf(graph, "prefetch_params_fused");
   Z3Executor& ex = currentRuntime().z3Executor(graph_id, "prefetch_params_fused");
@@ -179,7 +179,7 @@ at::Tensor allgather_param_slot_meta(const at::Tensor& a, const at::Tensor&, int
   return at::empty(a.sizes(), a.options().dtype(*dtype));
 }
 
-void prefetch_params_fused_slot_meta(const at::Tensor&, at::TensorList, at::IntArrayRef,
+void prefetch_params_fused_slot_meta(at::TensorList, const at::Tensor&, at::IntArrayRef,
                                      std::optional<at::ArrayRef<at::ScalarType>>) {}
 
 at::Tensor passthrough_slot_meta(const at::Tensor& a, const at::Tensor&, int64_t) { return a.alias(); }
@@ -203,7 +203,9 @@ TORCH_LIBRARY(dc, m) {
   m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()");
   m.def("free_tensors(Tensor(a!)[] a) -> ()");
   m.def("allgather_param.slot(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor");
-  m.def("prefetch_params_fused.slot(Tensor graph, Tensor[] params, int[] slots, ScalarType[]? dtypes=None) -> ()");
+  // The parameters come first: Inductor gives a kernel without outputs the device of its first
+  // tensor argument, which must be theirs, not the host-side graph tensor's.
+  m.def("prefetch_params_fused.slot(Tensor[] params, Tensor graph, int[] slots, ScalarType[]? dtypes=None) -> ()");
   m.def("wait_allgather.slot(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)");
   m.def("release_param.slot(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)");
   m.def("reduce_grad.slot(Tensor a, Tensor graph, int slot) -> Tensor");

@@ -33,6 +33,8 @@ _SLOT_FORMS = {
     dc.end_backward.default: (dc.end_backward.slot, 1, None),
     dc.prefetch_params_fused.default: (dc.prefetch_params_fused.slot, 0, 2),
 }
+# The slot overload of prefetch_params_fused takes the parameters first (csrc/ops.cpp says why).
+_SWAP_FIRST_TWO = {dc.prefetch_params_fused.slot}
 
 
 def to_slot_ops(gm: GraphModule, graph_id: int, slot_ids: Sequence[int], graph_input: Node) -> int:
@@ -77,6 +79,9 @@ def _rewrite_ids(graph: torch.fx.Graph, graph_id: int, new_graph: Any, id_map: D
             args[id_pos] = [id_map[i] for i in ids] if isinstance(ids, (list, tuple)) else id_map[ids]
         node.args = tuple(args)
         if to_slots:
+            if target in _SWAP_FIRST_TWO:
+                args[0], args[1] = args[1], args[0]
+                node.args = tuple(args)
             node.target = target
             # Inductor constrains a custom op's inputs to the strides recorded here, position by
             # position: the record of the constant form no longer matches the arguments.

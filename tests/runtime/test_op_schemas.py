@@ -38,7 +38,7 @@ EXPECTED_SCHEMAS = {
 # The slot overloads compiled code calls (passes/slot_ops.py): graph instance and slot as data.
 EXPECTED_SLOT_SCHEMAS = {
     "allgather_param": "(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor",
-    "prefetch_params_fused": "(Tensor graph, Tensor[] params, int[] slots, ScalarType[]? dtypes=None) -> ()",
+    "prefetch_params_fused": "(Tensor[] params, Tensor graph, int[] slots, ScalarType[]? dtypes=None) -> ()",
     "wait_allgather": "(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)",
     "release_param": "(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)",
     "reduce_grad": "(Tensor a, Tensor graph, int slot) -> Tensor",
@@ -320,7 +320,7 @@ def test_slot_ops_resolve_the_instance_and_slot(rt):
     torch.library.opcheck(ops.wait_allgather.slot, (out, graph, 1), test_utils=OPCHECK_UTILS)
     ops.release_param.slot(out * 1, graph, 1, 1)
     assert not runtime.is_gathered(3)
-    torch.library.opcheck(ops.prefetch_params_fused.slot, (graph, [shard5], [0]), {"dtypes": [torch.float32]},
+    torch.library.opcheck(ops.prefetch_params_fused.slot, ([shard5], graph, [0]), {"dtypes": [torch.float32]},
                           test_utils=OPCHECK_UTILS)
     assert runtime.is_gathered(5) and not runtime.is_gathered(3)
     runtime.start_backward(True)
