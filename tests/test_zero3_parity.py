@@ -8,6 +8,8 @@ this tolerance bounds bf16 rounding, and a wrong gradient (missing, doubled, una
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,6 +49,10 @@ def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_ap
                           clip=config.get("gradient_clipping", 0.0), device=ctx.device)
     assert_parity(got, ref, **(BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
     eager = engine.eagerly_gathered_params()
+    if os.environ.get("DC_TEST_REGIONAL") == "1" and any(".layers." in n for n in got.params):
+        # Compiled layer by layer: what lies outside the layers (embedding, norm, head) runs
+        # eagerly by design; the expectations are about the layers.
+        eager = [n for n in eager if ".layers." in n]
     if expect_eager is True:
         assert eager, "the eager fallback gathered nothing although a frame ran eagerly"
     elif expect_eager is False:
