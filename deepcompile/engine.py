@@ -152,11 +152,7 @@ class Engine:
         module = self._compiled if self._compiled is not None else self.module
         self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
-        try:
-            out = module(*args, **kwargs)
-        except BaseException:
-            self.sharding.after_failed_forward()
-            raise
+        out = module(*args, **kwargs)
         self.step_report.stop("forward")
         return out
 

@@ -224,8 +224,8 @@ class _FailingOnce(torch.nn.Module):
 
 def _failed_forward_body(ctx):
     """Eager ZeRO-3 (no compile): the gather hook swaps gathered copies in, and its partner hook,
-    which puts the partitioned parameters back, does not run when the forward raises. The engine
-    restores them, so the next step trains on the real parameters, not a stale copy."""
+    which puts the partitioned parameters back, runs even when the forward raises, so the next
+    step trains on the real parameters, not a stale copy."""
     import deepcompile
 
     rank, world = dist.get_rank(), dist.get_world_size()

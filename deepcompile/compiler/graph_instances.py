@@ -107,10 +107,6 @@ class SharedGraph:
             template, instance = self._instance_for(args, ids)
         return template.compiled(*args, instance.graph_tensor)
 
-    @property
-    def templates(self) -> List[Template]:
-        return [self._first, *self._others.values()]
-
     def _instance_for(self, args: Sequence[Any], ids: Tuple) -> Tuple[Template, GraphInstance]:
         binding = binding_of(args, self._ds_id_of)
         positions = tuple(i for i, _ in binding)

@@ -88,10 +88,3 @@ def _rewrite_ids(graph: torch.fx.Graph, graph_id: int, new_graph: Any, id_map: D
             node.meta.pop("eager_input_vals", None)
         count += 1
     return count
-
-
-def uses_slot_ops(gm: GraphModule) -> bool:
-    """True if ``gm`` already calls slot overloads (it was lowered)."""
-    slot_targets = {form[0] for form in _SLOT_FORMS.values()}
-    return any(n.op == "call_function" and n.target in slot_targets for n in gm.graph.nodes)
-

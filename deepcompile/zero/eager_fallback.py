@@ -126,16 +126,6 @@ class EagerGatherHooks:
         for name, p in stack.pop().items():
             compat.swap_parameter(module, name, p)
 
-    def restore_all(self) -> None:
-        """After a forward that raised: every module still holding gathered copies (a forward
-        hook that did not run, e.g. one raising before ours) gets its partitioned parameters
-        back."""
-        for module in self._hooked:
-            stack = module.__dict__.get("_dc_originals")
-            while stack:
-                for name, p in stack.pop().items():
-                    compat.swap_parameter(module, name, p)
-
     def leaf_scope(self, leaf: nn.Module) -> ContextManager[None]:
         """Gathers every partitioned parameter below ``leaf`` at once (leaf_modules.py)."""
         entries = [e for e in leaf_modules.leaf_parameters(leaf) if id(e[2]) in self._by_param]

@@ -117,9 +117,6 @@ class Sharding(abc.ABC):
         (name, module) of each. Stages whose parameters are always whole have nothing to do."""
         return []
 
-    def after_failed_forward(self) -> None:
-        """A forward raised: undo what eager code did for it that only its end would undo."""
-
     def run_graph_eagerly(self, gm: Any, param_slots: Dict[int, int]) -> Callable[..., Any]:
         """A callable running a captured (Dynamo) graph eagerly, with the parameters at
         ``param_slots`` (input index -> ds id) made usable first; for a graph that cannot be

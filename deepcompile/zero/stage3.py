@@ -84,9 +84,6 @@ class Zero3Sharding(Sharding):
         return leaf_modules.mark_classes_after_initialize(self.module, sorted(classes, key=lambda c: c.__name__),
                                                           self.eager.leaf_scope)
 
-    def after_failed_forward(self) -> None:
-        self.eager.restore_all()  # modules whose forward hook never ran get their placeholders back
-
     def run_graph_eagerly(self, gm, param_slots: Dict[int, int]):
         return self.eager.graph_runner(gm, param_slots)
 
