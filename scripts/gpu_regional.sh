@@ -11,6 +11,7 @@
 #
 #   bash scripts/gpu_regional.sh              # from the device tool: OUT is set there
 #   BENCH_NPROC=2 TEST_WORLD_SIZES=2 bash scripts/gpu_regional.sh   # on 2 GPUs (prefetch across layers)
+# REGIONAL_TESTS=0 / OFFLOAD_TESTS=0 skip a test part; the bench gets the rest of CALL_S seconds.
 set -uo pipefail
 MAX_JOBS=${MAX_JOBS:-16}
 source "$(dirname "$0")/gpu_prelude.sh"
@@ -30,13 +31,17 @@ if [ "${REGIONAL_TESTS:-1}" = 1 ]; then
     tests/test_zero3_parity.py -k "llama or qwen2 or custom_op or raises or mlp" \
     > "$OUT/pytest-regional.log" 2>&1
   echo "regional tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-regional.log"
+fi
+if [ "${OFFLOAD_TESTS:-1}" = 1 ]; then
   DC_TEST_DEVICE=cuda timeout "${OFFLOAD_TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -k gpu \
     tests/test_activation_memory.py tests/test_offload.py tests/test_param_offload.py \
     > "$OUT/pytest-offload.log" 2>&1
   echo "offload GPU tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-offload.log"
 fi
 
-timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node "${BENCH_NPROC:-1}" bench/train_bench.py \
+# The bench gets what is left of CALL_S (default 580: the device tool's per-call limit is 600).
+bench_s=$(( ${CALL_S:-580} - $(elapsed) )); [ "$bench_s" -gt 30 ] || { echo "no time left for the bench"; exit 0; }
+timeout "${BENCH_TIMEOUT:-$bench_s}" torchrun --nproc-per-node "${BENCH_NPROC:-1}" bench/train_bench.py \
   --methods "${BENCH_METHODS:-z3-prefetch,z3-prefetch-regional,fsdp2}" --warmup 3 --steps 3 \
   --compile-cache cold --warm-start --markdown "$OUT/compile.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at $(elapsed) s"; cat "$OUT/compile.md" 2>/dev/null || tail -20 "$OUT/bench.log"

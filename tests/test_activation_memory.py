@@ -425,20 +425,25 @@ def test_offload_without_compile_is_refused():
 
 
 class _WideLlama(nn.Module):
-    """A llama whose saved activations dominate its memory: 4 layers, hidden 256, intermediate
-    1024, on 8 x 512 tokens (an MLP activation is 16 MiB; parameters and Adam state ~70 MiB)."""
+    """A llama on 8 x 512 tokens, 4 layers, hidden 1024, intermediate 4096, 4 heads: each layer's
+    offload candidates (the attention probabilities, 32 MiB, and the residual stream, 16 MiB) copy
+    in about 1 ms at PCIe 5 speed, while the layer's forward computes for about 3 ms (fp32 without
+    TF32). Compute must cover the copies for offloading to lower the peak: the first version of
+    this test used hidden 256, whose forward outran its copies (2.8 ms of transfers per step
+    behind well under 1 ms of compute), and the device blocks, held until their copies finish,
+    were all still alive when the backward began."""
 
     def __init__(self):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        cfg = LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                           # Not sdpa: torch documents the fused attention backwards on CUDA as
                           # non-deterministic (the query gradient is accumulated across key
                           # blocks), which fits what the H100 showed with sdpa: losses bitwise,
                           # layers.0.self_attn.q_proj.weight not. Eager attention (matmuls and a
-                          # softmax) is deterministic.
+                          # softmax) is deterministic; with it the test passed its parity part.
                           attn_implementation="eager")
         self.model = LlamaForCausalLM(cfg)
 
@@ -460,25 +465,27 @@ def _gpu_run(ctx, offload: bool, steps: int):
     cfg = _config(3, offload=offload, memory_budget_bytes=1)
     engine = deepcompile.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
     engine.compile(backend="inductor")
-    losses = []
+    losses, peaks = [], []
     n = 8 // dist.get_world_size()
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, 128, (8, 512), generator=g)[dist.get_rank() * n:(dist.get_rank() + 1) * n]
         tokens = tokens.to(ctx.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         loss = engine(tokens, tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
     params = {k: v.clone() for k, v in engine.full_state_dict(all_ranks=True).items()}
     report = engine.schedule_report()["activations"] if offload else None
     engine.destroy()
-    return losses, params, peak, report
+    return losses, params, peaks, report
 
 
-def _gpu_memory_body(ctx, steps=3):
+def _gpu_memory_body(ctx, steps=4):
     """Parity on/off (bitwise), and the peak saved by offloading, against the bytes offloaded."""
     # The embedding's gradient is a scatter-add of token rows; Inductor and aten make it of atomic
     # adds on CUDA, whose order (and so the last bits of a row several tokens share) varies from
@@ -508,16 +515,18 @@ def _gpu_memory_body(ctx, steps=3):
         # activation would move the losses and the other weights.
         assert float((params_on[k] - params_off[k]).abs().max()) <= 1e-3 * steps, k
     offloaded = report["offloaded_bytes"]
-    saved = peak_off - peak_on
-    print(f"GPU activation offload: peak {peak_off} -> {peak_on} bytes (saved {saved}); offloaded {offloaded} bytes "
-          f"per step, predicted transfer {report['predicted_transfer_ms_per_step']} ms/step")
+    # The claim is about the steady state: the last step, a scheduled one. The first steps
+    # compile, profile and plan; their peaks are not what a training run lives with.
+    saved = peak_off[-1] - peak_on[-1]
+    print(f"GPU activation offload: peak per step {peak_off} -> {peak_on} bytes (last step saved {saved}); "
+          f"offloaded {offloaded} bytes per step, predicted transfer {report['predicted_transfer_ms_per_step']} ms/step")
     # Without offload the peak is at the start of the backward, with every saved activation
     # alive. With it, an activation lives on the device from its computation to its offload (its
     # last forward use; the allocator holds it until the copy is done) and again from its reload
-    # (just in time: no profile) to its last backward use; the 4 layers' activations are
+    # (placed so that the copy is covered by compute) to its last backward use; the 4 layers' activations are
     # alike, so those windows overlap little: at least half of the offloaded bytes come off the
     # peak. And never more than all of them plus the allocator's rounding.
-    assert offloaded > 0 and 0.5 * offloaded <= saved <= offloaded + (1 << 20), (saved, offloaded, report)
+    assert offloaded > 0 and 0.5 * offloaded <= saved <= offloaded + (1 << 20), (peak_off, peak_on, offloaded, report)
 
 
 @pytest.mark.gpu
