@@ -24,6 +24,15 @@ size_t GradReducer::pendingTasks() const {
   return n;
 }
 
+bool GradReducer::hasPending(DsId id) const {
+  for (const auto& kv : tasks_) {
+    for (const Task& t : kv.second) {
+      if (t.id == id) return true;
+    }
+  }
+  return false;
+}
+
 void GradReducer::enqueue(DSParam& param, const at::Tensor& grad_in) {
   const at::Tensor grad = grad_in.detach();
   // Reduced in the dtype the target expects (e.g. bf16 gradients into fp32 partitions). The cast

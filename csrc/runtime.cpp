@@ -127,6 +127,16 @@ void Runtime::endBackward(GraphId graph_id, bool release_reduce_buckets) {
   if (release_reduce_buckets) reducer().releaseBuckets();
 }
 
+namespace {
+// Registering an id again replaces its entry; a reduction queued for the old entry would be
+// flushed into the new one's layout and target (of another size, or another stage's).
+std::string pendingReductionError(DsId id) {
+  return "ds id " + std::to_string(id) +
+         " has a gradient reduction queued that has not been flushed; registering it again now would send that "
+         "gradient into the new registration's target. Finish the backward (end_backward) first";
+}
+}  // namespace
+
 void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
   const int world = comm_->size();
   // Local validation first; the verdict is exchanged so that a bad shard on one rank makes every
@@ -140,6 +150,8 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
     const int64_t ppr = ceilDiv(numelOf(s.shape), world);
     if (!seen.insert(s.id).second) {
       local_error = "ds id " + std::to_string(s.id) + " appears twice in one registration";
+    } else if (reducer_->hasPending(s.id)) {
+      local_error = pendingReductionError(s.id);
     } else if (!s.shard.defined() || s.shard.numel() != ppr) {
       bad_numel = s.shard.defined() ? s.shard.numel() : -1;
       local_error = "shard of ds id " + std::to_string(s.id) + " has " + std::to_string(bad_numel) +
@@ -205,6 +217,7 @@ void Runtime::registerZ12Param(DsId id, std::vector<int64_t> shape, at::Tensor p
               "deepcompile: register_z12_param: ds id ", id, " at offset ", group_offset, " with ", numel,
               " elements does not fit in ", comm_->size(), " partitions of ", partition_numel, " elements");
   checkDevice(param, "register_z12_param", "the parameter");
+  TORCH_CHECK(!reducer_->hasPending(id), "deepcompile: register_z12_param: ", pendingReductionError(id));
   freeGatheredOf(id);
   Z12Layout layout;
   layout.param = std::move(param);

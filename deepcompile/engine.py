@@ -147,6 +147,7 @@ class Engine:
                                         can_profile=self.compiled_module.has_backends)
         if self.activations is not None:
             self.activations.check_runs_compiled(self._compiled)
+            self.activations.begin_micro_step()
         if self.joint_offload is not None:
             self.joint_offload.note_micro_step(self.scheduler.mode)
         module = self._compiled if self._compiled is not None else self.module

@@ -130,7 +130,7 @@ def test_plan_keeps_what_the_budget_allows_largest_offloaded_first(offloader):
         mem.before_step(1)
         # 1100 bytes, at most 1000 - floor (0 on a CPU device) stay: offloading 200 suffices
         # (the smallest that alone covers what is missing, as the optimizer-state plan does).
-        assert o.plan == {3}
+        assert o.plan == {(3, 0)}  # (key, run): each key ran once per micro-step
         report = mem.report()
         assert report["offloaded_bytes"] == 200 and report["resident_bytes"] == 900
         assert report["predicted_transfer_ms_per_step"] > 0

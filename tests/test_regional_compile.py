@@ -90,6 +90,68 @@ def test_regional_qwen2_moe_zero3():
     run_distributed(_body, WORLD, args=("qwen2_moe", "inductor", 3, 3), timeout=900)
 
 
+def _offload_run(ctx, steps, budget):
+    """Regional ZeRO-3 Llama (eager backend) with activation offload under ``budget`` bytes (None:
+    no budget, on a CPU device everything is offloaded); returns the run, the per-step bytes the
+    offload ops kept on the device, and the engine."""
+    import deepcompile
+    from _harness.parity_cases import build_model, make_optimizer, run_steps
+
+    torch._dynamo.reset()
+    config = _config(3)
+    config["compile"] = {**config["compile"], "offload_activation": True, "memory_budget_bytes": budget}
+    model = build_model("llama", device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
+    engine.compile(backend="eager", regional=True)
+    kept, last = [], {}
+
+    def after_step(engine, step):
+        stats = engine.activations.offloader.stats
+        kept.append(sum((s.kept - last.get(s.key, 0)) * s.nbytes for s in stats.values()))
+        last.update({s.key: s.kept for s in stats.values()})
+
+    return run_steps(engine, "llama", steps, ctx.device, after_step=after_step), kept, engine
+
+
+def _offload_body(ctx, steps=4):
+    """The layers' offload sites run once per layer instance: the plan weighs every instance of a
+    site (it keeps or moves them together), so what it keeps on the device stays in the budget.
+    It once weighed one tensor per site: with 2 layers sharing the graph, the plan thought that
+    everything fitted in half of its real size and kept all of it."""
+    from _harness.parity_cases import train_reference
+
+    _, _, engine = _offload_run(ctx, steps, None)
+    stats = [s for s in engine.activations.offloader.stats.values() if s.offloads > 0]
+    layers = len(engine.module.model.model.layers)
+    assert stats and all(s.runs_per_micro_step == layers for s in stats), \
+        [(s.name, s.runs_per_micro_step) for s in stats]
+    total = sum(s.bytes_per_micro_step for s in stats)
+    assert engine.schedule_report()["activations"]["offloaded_bytes"] == total
+    smallest = min(s.nbytes for s in stats)
+    engine.destroy()
+
+    # A CPU device reads no memory (the floor is 0): the budget is what may stay resident. Half
+    # of the tensors plus one: a whole key's runs offloaded would be one tensor more than needed.
+    budget = total // 2 + smallest
+    got, kept, engine = _offload_run(ctx, steps, budget)
+    report = engine.schedule_report()["activations"]
+    assert report["planned_after_step"] == 1, report
+    assert 0 < report["resident_bytes"] <= budget < report["resident_bytes"] + report["offloaded_bytes"], report
+    # The plan decides run by run: it offloads no more than one tensor beyond what the budget
+    # requires (a decision per key would move both layers' tensors of a key together).
+    largest = max(t["tensor_bytes"] for t in report["tensors"])
+    assert report["resident_bytes"] > budget - largest, report
+    assert any(0 < t["offloaded_bytes"] < t["bytes"] for t in report["tensors"]), report["tensors"]
+    # From the step after the plan, the ops keep exactly what the report says, within the budget.
+    assert kept[2:] == [report["resident_bytes"]] * (steps - 2), (kept, report)
+    engine.destroy()
+    assert_parity(got, train_reference("llama", steps, device=ctx.device), **TOL["eager"])
+
+
+def test_regional_activation_offload_plans_every_instance():
+    run_distributed(_offload_body, WORLD, timeout=900)
+
+
 def test_regional_needs_blocks():
     from deepcompile.compiler.regions import find_regions
 

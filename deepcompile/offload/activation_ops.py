@@ -33,14 +33,15 @@ tensors with one key, and each gets its own buffer of its own shape (DeepSpeed's
 buffer per key, allocated once, its shape never re-checked). Pinned buffers come from torch's
 caching host allocator, which reuses them across steps and knows when a copy still reads them.
 
-Which keys are offloaded is decided at run time (:class:`ActivationOffloader`, ``plan``): the
-graph holds the ops for every eligible activation, and re-planning costs no recompile.
+Which runs of which keys are offloaded is decided at run time (:class:`ActivationOffloader`,
+``plan``): the graph holds the ops for every eligible activation, and re-planning costs no
+recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -67,27 +68,39 @@ class _Stashed:
 
 @dataclasses.dataclass
 class KeyStats:
-    """What one offload site (one graph node) moved, for the schedule report."""
+    """What one offload site (one graph node) moved, for the plan and the schedule report."""
 
     key: int
     name: str
-    nbytes: int = 0
+    nbytes: int = 0  # of one run's tensor
     offloads: int = 0  # runs in which this site offloaded
     kept: int = 0  # runs in which the plan (or a shared storage) kept it on the device
+    # The most runs of this site in one micro-step. A graph whose instances serve several layers
+    # (regional compilation: one compiled decoder layer, its offload ops and their keys, run once
+    # per layer) or a module called twice per forward runs a site several times, and the plan's
+    # decision for the key moves or keeps every one of those tensors.
+    runs_per_micro_step: int = 0
+
+    @property
+    def bytes_per_micro_step(self) -> int:
+        """What the plan weighs for this key: every tensor its decision applies to."""
+        return self.nbytes * max(self.runs_per_micro_step, 1)
 
 
 class ActivationOffloader:
     """The run-time state of activation offload for one engine.
 
-    ``plan``: the keys to offload; None offloads every key (before a plan exists, and on a CPU
-    device without a budget).
+    ``plan``: the runs to offload, as (key, run) pairs, ``run`` counting a key's runs within one
+    micro-step from 0 (a shared layer graph runs its keys once per layer: the plan can move the
+    first layers' tensors and keep the last ones'); None offloads every run (before a plan exists,
+    and on a CPU device without a budget).
     """
 
     def __init__(self, device: torch.device, pin_memory: bool):
         self.device = device
         self.pin_memory = bool(pin_memory) and device.type == "cuda"
         self.lanes = CopyLanes(device)
-        self.plan: Optional[Set[int]] = None
+        self.plan: Optional[Set[Tuple[int, int]]] = None
         self.stats: Dict[int, KeyStats] = {}
         self._stash = compat.weak_id_key_dictionary()
         # The most device memory allocated at any op call while ``sample`` (the plan's floor).
@@ -97,6 +110,15 @@ class ActivationOffloader:
         # offload's resident units), left out of the floor: the joint plan (offload/joint.py)
         # counts them as its own candidates. None: nothing left out.
         self.resident_elsewhere: Optional[Callable[[], int]] = None
+        self._runs_now: Dict[int, int] = {}  # runs per key in the current micro-step
+
+    def end_micro_step(self) -> None:
+        """Folds the runs counted since the last call into ``runs_per_micro_step`` (the engine calls
+        it before every forward; the planners before they read the stats)."""
+        for key, runs in self._runs_now.items():
+            stats = self.stats[key]
+            stats.runs_per_micro_step = max(stats.runs_per_micro_step, runs)
+        self._runs_now.clear()
 
     def _sample(self) -> None:
         if self.sample:
@@ -111,7 +133,9 @@ class ActivationOffloader:
         stats = self.stats.setdefault(key, KeyStats(key, f"key {key}"))
         nbytes = x.numel() * x.element_size()
         stats.nbytes = nbytes
-        if (self.plan is not None and key not in self.plan) or not _owns_storage(x):
+        run = self._runs_now.get(key, 0)
+        self._runs_now[key] = run + 1
+        if (self.plan is not None and (key, run) not in self.plan) or not _owns_storage(x):
             # A tensor that shares its storage (a buffer a compiler laid out around it) cannot be
             # freed alone: it stays.
             stats.kept += 1
@@ -155,16 +179,34 @@ class ActivationOffloader:
         """Activations on the host, not yet waited for."""
         return len(self._stash)
 
+    def planning_runs(self) -> List[Tuple[KeyStats, int]]:
+        """The plan's candidates: every run of every site that has offloaded (one that shares its
+        storage never moves), in forward order as far as the counts tell: every key's first run
+        (in the order the keys first ran), then every second run, and so on; the planners take
+        the earlier of equal candidates first."""
+        self.end_micro_step()
+        runs = [(s, run) for s in self.stats.values() if s.offloads > 0
+                for run in range(max(s.runs_per_micro_step, 1))]
+        return sorted(runs, key=lambda sr: sr[1])  # stable: key order within a run
+
+    def planned_runs(self, s: KeyStats) -> int:
+        """How many of ``s``'s runs per micro-step the plan offloads."""
+        runs = max(s.runs_per_micro_step, 1)
+        return runs if self.plan is None else sum((s.key, run) in self.plan for run in range(runs))
+
     def report(self, bandwidth_bytes_per_s: Optional[float]) -> List[Dict]:
+        self.end_micro_step()
         out = []
-        for s in sorted(self.stats.values(), key=lambda s: -s.nbytes):
-            offloaded = self.plan is None or s.key in self.plan
+        for s in sorted(self.stats.values(), key=lambda s: -s.bytes_per_micro_step):
+            moved = s.nbytes * self.planned_runs(s)
             out.append({
-                "key": s.key, "tensor": s.name, "bytes": s.nbytes, "offloaded": offloaded,
+                "key": s.key, "tensor": s.name, "bytes": s.bytes_per_micro_step, "offloaded_bytes": moved,
+                "offloaded": moved == s.bytes_per_micro_step and moved > 0,
+                "tensor_bytes": s.nbytes, "runs_per_micro_step": s.runs_per_micro_step,
                 "runs_offloaded": s.offloads, "runs_kept": s.kept,
                 # Offload and reload, at the measured host-to-device bandwidth.
-                "predicted_transfer_ms": (2e3 * s.nbytes / bandwidth_bytes_per_s
-                                          if offloaded and bandwidth_bytes_per_s else None),
+                "predicted_transfer_ms": (2e3 * moved / bandwidth_bytes_per_s
+                                          if moved and bandwidth_bytes_per_s else None),
             })
         return out
 

@@ -14,8 +14,9 @@ activations may stay on the device: the plan offloads the fewest bytes, largest 
 the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
 budget everything stays offloaded. With optimizer-state or parameter offload on too, the plan at
 that step is instead the joint one (``offload/joint.py``), which weighs the activations against
-the optimizer state and master shards. The plan is a set of site keys the ops consult at run
-time: no recompile.
+the optimizer state and master shards. The plan is a set of (site key, run) pairs the ops
+consult at run time (a site of a graph shared by several layers runs once per layer): no
+recompile.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class ActivationMemory:
             raise RuntimeError(f"{' and '.join(on)} act on compiled graphs: call engine.compile() before the first "
                                "forward, or set them to false")
 
+    def begin_micro_step(self) -> None:
+        """Before each forward through the engine: closes the last micro-step's count of runs per
+        offload site (``KeyStats.runs_per_micro_step``)."""
+        if self.offloader is not None:
+            self.offloader.end_micro_step()
+
     def bytes_per_s(self) -> float:
         return bandwidth.host_to_device_bytes_per_s(self.device)
 
@@ -81,15 +88,15 @@ class ActivationMemory:
             return
         if self.budget is None:
             return  # no budget: everything stays offloaded
-        sites = [s for s in o.stats.values() if s.offloads > 0]
-        plan = plan_offload([s.nbytes for s in sites], self.budget - self.floor_bytes, 0.0)
-        o.plan = {s.key for s, off in zip(sites, plan.offloaded) if off}
+        runs = o.planning_runs()
+        plan = plan_offload([s.nbytes for s, _ in runs], self.budget - self.floor_bytes, 0.0)
+        o.plan = {(s.key, run) for (s, run), off in zip(runs, plan.offloaded) if off}
 
     def report(self) -> Dict[str, Any]:
         o = self.offloader
         bps = self.bytes_per_s() if o is not None and o.stats else None
         tensors = o.report(bps) if o is not None else []
-        offloaded = sum(t["bytes"] for t in tensors if t["offloaded"])
+        offloaded = sum(t["offloaded_bytes"] for t in tensors)
         return {
             "free_activation": self.free,
             "free_activation_threshold_bytes": self.free_threshold,
@@ -101,7 +108,7 @@ class ActivationMemory:
             "floor_bytes": self.floor_bytes,
             "h2d_bytes_per_s": bps,
             "offloaded_bytes": offloaded,
-            "resident_bytes": sum(t["bytes"] for t in tensors if not t["offloaded"]),
+            "resident_bytes": sum(t["bytes"] - t["offloaded_bytes"] for t in tensors),
             "predicted_transfer_ms_per_step": 2e3 * offloaded / bps if bps else 0.0,
             "tensors": tensors,
         }

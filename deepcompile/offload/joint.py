@@ -97,8 +97,8 @@ class JointOffload:
         m = self._measure()
         settings = off.settings
         units = off.joint_units()
-        sites = [s for s in o.stats.values() if s.offloads > 0]  # (one that shares its storage never moves)
-        cands = [Candidate(("act", s.key), ACTIVATION, s.nbytes) for s in sites]
+        runs = o.planning_runs()
+        cands = [Candidate(("act", s.key, run), ACTIVATION, s.nbytes) for s, run in runs]
         for u in units:
             master = off.is_master_shard(u)
             cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,
@@ -119,7 +119,7 @@ class JointOffload:
         self.plan, self.inputs = plan, m
         decided = {c.key: out for c, out in zip(cands, plan.offloaded)}
         if act.planned_after_step is not None:  # the provisional window is over
-            o.plan = {s.key for s in sites if decided[("act", s.key)]}
+            o.plan = {(s.key, run) for s, run in runs if decided[("act", s.key, run)]}
         failure = off.apply_joint_plan({u.storage_key: decided[("unit", u.storage_key)] for u in units},
                                        plan.headroom)
         self._peak_at_plan = device_memory.peak_allocated(off.device)
@@ -146,7 +146,8 @@ class JointOffload:
 
     def _resident_now(self) -> int:
         o = self.activations.offloader
-        kept = 0 if o.plan is None else sum(s.nbytes for s in o.stats.values() if s.offloads and s.key not in o.plan)
+        kept = 0 if o.plan is None else sum(s.bytes_per_micro_step - s.nbytes * o.planned_runs(s)
+                                               for s in o.stats.values() if s.offloads)
         return kept + self.offload.resident_offloadable_bytes()
 
     def at_schedule_switch(self, driver: Any) -> None:

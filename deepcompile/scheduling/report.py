@@ -60,9 +60,16 @@ def _activation_lines(a: Dict[str, Any]) -> List[str]:
                      f"predicted transfer {a['predicted_transfer_ms_per_step']:.4g} ms/step; budget {a['budget']}"
                      + ("" if a["planned_after_step"] is not None else " (everything offloaded until the plan, "
                         "made at the second optimizer step)"))
-        lines += [f"    {t['tensor']}: {_mib(t['bytes'])}, " + ("offloaded" if t["offloaded"] else "kept")
-                  for t in a["tensors"]]
+        lines += [f"    {t['tensor']}: {_mib(t['bytes'])}"
+                  + (f" ({t['runs_per_micro_step']} runs per micro-step)" if t["runs_per_micro_step"] > 1 else "")
+                  + ", " + _activation_fate(t) for t in a["tensors"]]
     return lines
+
+
+def _activation_fate(t: Dict[str, Any]) -> str:
+    if t["offloaded"] or not t["offloaded_bytes"]:
+        return "offloaded" if t["offloaded"] else "kept"
+    return f"{_mib(t['offloaded_bytes'])} offloaded (the first runs), the rest kept"
 
 
 def _joint_lines(j: Dict[str, Any]) -> List[str]:

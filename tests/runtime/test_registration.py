@@ -179,3 +179,36 @@ def _body_wrong_stage_layout(ctx):
 
 def test_error_parameter_registered_again_for_other_stage(dist_world_size):
     run_distributed(_body_wrong_stage_layout, dist_world_size)
+
+
+def _body_register_again_while_reduction_pending(ctx):
+    """Registering an id again while a reduction of its gradient is queued (handed over, not yet
+    flushed by end_backward) is refused on every rank, for either stage: the queued gradient
+    would be flushed into the new registration's target, of another size or stage. After the
+    backward ends the old target holds the gradient and the id registers again."""
+    ctx.init_runtime(CONFIG)
+    world, dev = ctx.world_size, ctx.device
+    B = 23
+    shape = (7,)
+    full_b = full_param(B, shape, torch.float32, dev)
+    shard_b = z3_shard(full_b, world, ctx.rank)
+    target_b = torch.zeros_like(shard_b)
+    runtime.register_z3_params([B], [shape], [shard_b], [target_b])
+    runtime.register_graph(GRAPH, [B], 3)
+    runtime.start_backward(True)
+    dep = ops.reduce_grad(torch.ones(shape, device=dev), GRAPH, B)
+    assert runtime.pending_reduce_tasks() == 1  # the bucket is far from full: queued, not flushed
+    pending = "ds id 23 has a gradient reduction queued"
+    with pytest.raises(RuntimeError, match=pending):
+        runtime.register_z3_params([B], [shape], [z3_shard(full_b, world, ctx.rank)], [None])
+    with pytest.raises(RuntimeError, match=pending):
+        runtime.register_z12_param(B, shape, full_b, 0, ppr_of(full_b.numel(), world))
+    ops.end_backward([dep], GRAPH, False)
+    # Every rank's gradient of ones, averaged: this rank's piece of a vector of ones (padding 0).
+    expected = z3_shard(torch.ones(shape, device=dev), world, ctx.rank)
+    torch.testing.assert_close(target_b, expected)
+    runtime.register_z3_params([B], [shape], [z3_shard(full_b, world, ctx.rank)], [None])
+
+
+def test_error_register_again_while_reduction_pending(dist_world_size):
+    run_distributed(_body_register_again_while_reduction_pending, dist_world_size)

@@ -27,6 +27,9 @@ class GradReducer {
   void flushAll();
   void releaseBuckets();
   size_t pendingTasks() const;
+  // Whether a queued reduction of `id` still waits for its flush (it writes the target the
+  // registered parameter had when the gradient was handed over).
+  bool hasPending(DsId id) const;
   int64_t bucketNumel() const { return buckets_.allocatedNumel(); }
 
  private:
