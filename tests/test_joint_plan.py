@@ -116,3 +116,38 @@ def test_exposure_model_per_phase():
     # 100 B of optimizer state: write-back 1 s hides in the forward, reload 1 s in a 0.5 s
     # backward plus 0.25 s step: 0.25 s exposed.
     assert exposed_seconds({OPTIMIZER_STATE: 100}, LINK, ComputeTimes(1.0, 0.5, 0.25)) == pytest.approx(0.25)
+
+
+def test_activations_placed_in_their_phases():
+    # 100 B at 100 B/s: one second each way; a 10 s forward and backward (one micro-step).
+    compute = ComputeTimes(forward_s=10.0, backward_s=10.0, step_s=0.0)
+    moved = {ACTIVATION: 100}
+    # Computed at the start of the forward, needed at the end of the backward: hidden.
+    assert exposed_seconds(moved, LINK, compute, activations=[(100, 0.0)]) == 0.0
+    # Computed at 95 % of the forward: the offload runs 0.5 s past its end, and the backward needs
+    # the tensor after 0.5 s, half a second before its reload can be done.
+    assert exposed_seconds(moved, LINK, compute, activations=[(100, 0.95)]) == pytest.approx(1.0)
+    # Without positions, each phase's total against the phase: hidden either way.
+    assert exposed_seconds(moved, LINK, compute) == 0.0
+    # Two late tensors, at 90 % and 95 %: the second offload queues behind the first and ends 1 s
+    # after the forward; in the backward the first reload keeps it waiting 0.5 s, and the second,
+    # queued behind it, 0.5 s more.
+    two = [(100, 0.9), (100, 0.95)]
+    assert exposed_seconds({ACTIVATION: 200}, LINK, compute, activations=two) == pytest.approx(1.0 + 1.0)
+    # At 80 % and 90 % both copies fit between their tensors and the phases' ends.
+    assert exposed_seconds({ACTIVATION: 200}, LINK, compute, activations=[(100, 0.8), (100, 0.9)]) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_plan_offloads_the_activations_computed_early():
+    # Two equal activations; the budget needs one of them off the device. The one computed at 90 %
+    # of the forward is needed 0.2 s into the backward and its copies (1 s each) cannot hide; the
+    # one computed at 10 % has 1.8 s of forward and of backward for them.
+    compute = ComputeTimes(forward_s=2.0, backward_s=2.0, step_s=0.0)
+    late, early = Candidate("late", ACTIVATION, 100, position=0.9), Candidate("early", ACTIVATION, 100, position=0.1)
+    plan = plan_jointly([late, early], budget=100, fb_floor=0, step_floor=0, streams=True, link=LINK,
+                        compute=compute)
+    assert plan.offloaded == [False, True] and plan.exposed_total_s == 0.0
+    # Positions unknown (0 for both): the first of equals goes, as before.
+    plan = plan_jointly([Candidate("a", ACTIVATION, 100), Candidate("b", ACTIVATION, 100)], budget=100, fb_floor=0,
+                        step_floor=0, streams=True, link=LINK, compute=compute)
+    assert plan.offloaded == [True, False]

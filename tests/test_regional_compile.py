@@ -125,6 +125,10 @@ def _offload_body(ctx, steps=4):
     layers = len(engine.module.model.model.layers)
     assert stats and all(s.runs_per_micro_step == layers for s in stats), \
         [(s.name, s.runs_per_micro_step) for s in stats]
+    # Where each run sits in the forward (the joint plan's positions): every key's run in the
+    # first layer comes before its run in the second.
+    positions = engine.activations.offloader.positions
+    assert all(positions[(s.key, 0)] < positions[(s.key, 1)] for s in stats), positions
     total = sum(s.bytes_per_micro_step for s in stats)
     assert engine.schedule_report()["activations"]["offloaded_bytes"] == total
     smallest = min(s.nbytes for s in stats)

@@ -111,6 +111,10 @@ class ActivationOffloader:
         # counts them as its own candidates. None: nothing left out.
         self.resident_elsewhere: Optional[Callable[[], int]] = None
         self._runs_now: Dict[int, int] = {}  # runs per key in the current micro-step
+        self._order_now: List[Tuple[int, int]] = []  # (key, run) in the order they ran
+        # Per (key, run), the fraction of the last complete micro-step's offload sites that ran
+        # before it: where in the forward the tensor is computed, as far as the sites tell.
+        self.positions: Dict[Tuple[int, int], float] = {}
 
     def end_micro_step(self) -> None:
         """Folds the runs counted since the last call into ``runs_per_micro_step`` (the engine calls
@@ -118,7 +122,11 @@ class ActivationOffloader:
         for key, runs in self._runs_now.items():
             stats = self.stats[key]
             stats.runs_per_micro_step = max(stats.runs_per_micro_step, runs)
+        if self._order_now:
+            n = len(self._order_now)
+            self.positions = {run: i / n for i, run in enumerate(self._order_now)}
         self._runs_now.clear()
+        self._order_now.clear()
 
     def _sample(self) -> None:
         if self.sample:
@@ -135,6 +143,7 @@ class ActivationOffloader:
         stats.nbytes = nbytes
         run = self._runs_now.get(key, 0)
         self._runs_now[key] = run + 1
+        self._order_now.append((key, run))
         if (self.plan is not None and (key, run) not in self.plan) or not _owns_storage(x):
             # A tensor that shares its storage (a buffer a compiler laid out around it) cannot be
             # freed alone: it stays.

@@ -26,7 +26,8 @@ units left out, ``ActivationOffloader.resident_elsewhere``); ``step_floor`` is t
 side's (``plan.py``). The compute that copies hide behind: per phase, the ZeRO-3 profile's op
 times (one micro-step, times the accumulation steps) once the schedule has profiled, else the
 engine's timings under ``wall_clock_breakdown``, else none (every copy counts as exposed, and the
-plan minimises transfer time). The step's time comes from ``wall_clock_breakdown`` only.
+plan minimises transfer time). Each activation run has its position in the forward
+(``ActivationOffloader.positions``), by which the plan places its copies in their phases. The step's time comes from ``wall_clock_breakdown`` only.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class JointOffload:
         settings = off.settings
         units = off.joint_units()
         runs = o.planning_runs()
-        cands = [Candidate(("act", s.key, run), ACTIVATION, s.nbytes) for s, run in runs]
+        cands = [Candidate(("act", s.key, run), ACTIVATION, s.nbytes, position=o.positions.get((s.key, run), 0.0))
+                 for s, run in runs]
         for u in units:
             master = off.is_master_shard(u)
             cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,

@@ -24,18 +24,26 @@ own (``lanes.py``), each kind moves:
   from the host at every gather, forward and backward, per micro-step.
 
 Per phase, the lane that needs longer than the phase's compute exposes the difference: that is
-the *exposed* transfer time, which the step really waits for. The plan offloads, until both peaks
+the *exposed* transfer time, which the step really waits for. Activations are placed in their
+phase when their position is known (``Candidate.position``, the fraction of the forward before the
+tensor is computed): an activation's offload cannot start before it exists, and the backward needs
+it back at the mirrored point, ``1 - position`` of the way through. So the copy lanes are played
+through one micro-step, the offloads in forward order, the reloads in the order the backward needs
+them (each as early as the lane allows): an activation computed late in the forward, needed early
+in the backward, has little compute to hide behind, and the plan prefers to offload early ones.
+Without positions (0 for all) this is the whole-phase comparison above. The plan offloads, until both peaks
 fit, the candidate that adds the least exposed time per byte saved; among equals, the least
 transfer time per byte, then optimizer state before activations before master shards (the
 cheaper and simpler to undo first). Within a kind, the smallest candidate that alone covers what
-is still missing completes the plan, else the largest goes and the search goes on.
+is still missing completes the plan, else the largest goes and the search goes on; among equal
+sizes the activation computed earliest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from deepcompile.offload.plan import OffloadBudgetError
 
@@ -52,6 +60,9 @@ class Candidate:
     nbytes: int
     forced: bool = False  # offloaded whatever the budget (zero_optimization.offload_param)
     eligible: bool = True  # its kind is on
+    # Activations: the fraction of a micro-step's forward before this tensor is computed (0: at
+    # the start, the whole forward and backward to hide its copies in).
+    position: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +101,30 @@ def _over(load: float, window: float) -> float:
     return max(0.0, load - window)
 
 
+def _activation_lanes(activations: Sequence[Tuple[int, float]], link: Link, forward_s: float,
+                      backward_s: float) -> Tuple[float, float]:
+    """One micro-step's activation copies, (bytes, position) each, played through the lanes:
+    (seconds the offloads run past the forward's end, seconds the backward waits for reloads)."""
+    lane = 0.0
+    for nbytes, position in sorted(activations, key=lambda a: a[1]):
+        lane = max(lane, position * forward_s) + nbytes / link.device_to_host
+    forward_spill = _over(lane, forward_s)
+    lane, waited = 0.0, 0.0
+    for nbytes, position in sorted(activations, key=lambda a: -a[1]):  # the backward's order of need
+        lane += nbytes / link.host_to_device
+        needed = (1.0 - position) * backward_s + waited  # the backward is late by what it waited so far
+        waited += _over(lane, needed)
+    return forward_spill, waited
+
+
 def exposed_seconds(bytes_by_kind: Dict[str, int], link: Link, compute: ComputeTimes, micro_steps: int = 1,
-                    streams: bool = True, early_state_bytes: Optional[int] = None) -> float:
+                    streams: bool = True, early_state_bytes: Optional[int] = None,
+                    activations: Optional[Sequence[Tuple[int, float]]] = None) -> float:
     """The transfer time per optimizer step that no compute hides (see the module docstring).
     ``early_state_bytes``: how much offloaded optimizer state may reload during the backward (the
-    budget's headroom; None: all of it)."""
+    budget's headroom; None: all of it). ``activations``: the offloaded activations of one
+    micro-step as (bytes, position), to place them in their phases (None: each phase's total
+    alone, as if every activation had the whole phase)."""
     a = bytes_by_kind.get(ACTIVATION, 0) * micro_steps
     o = bytes_by_kind.get(OPTIMIZER_STATE, 0)
     m = bytes_by_kind.get(MASTER, 0)
@@ -116,6 +146,10 @@ def exposed_seconds(bytes_by_kind: Dict[str, int], link: Link, compute: ComputeT
     reload_spill = _over(late, S) if streams else late
     forward = max(_over(fwd_h2d, F), _over(fwd_d2h, F))
     backward = max(_over(bwd_h2d, B), wb_spill_bwd)
+    if activations:
+        spill, waited = _activation_lanes(activations, link, F / micro_steps, B / micro_steps)
+        forward = max(forward, spill * micro_steps)
+        backward = max(backward, waited * micro_steps)
     return forward + backward + reload_spill
 
 
@@ -180,7 +214,9 @@ def plan_jointly(candidates: Sequence[Candidate], budget: Optional[int], fb_floo
     def exposed(moved: Dict[str, int], flags: Sequence[bool]) -> float:
         # Offloaded optimizer state reloads during the backward only within the headroom.
         early = None if budget is None else max(0, budget - max(peaks(flags)))
-        return exposed_seconds(moved, link, compute, micro_steps, streams, early)
+        placed = [(c.nbytes, c.position) for c, f in zip(candidates, flags) if f and c.kind == ACTIVATION] \
+            if moved.get(ACTIVATION) else None
+        return exposed_seconds(moved, link, compute, micro_steps, streams, early, placed)
 
     def peaks(flags: Sequence[bool]):
         res = bytes_by_kind(flags, False)
@@ -206,8 +242,9 @@ def plan_jointly(candidates: Sequence[Candidate], budget: Optional[int], fb_floo
                 if not left:
                     continue
                 finishing = [i for i in left if candidates[i].nbytes >= missing]
-                pick = (min(finishing, key=lambda i: (candidates[i].nbytes, i)) if finishing
-                        else min(left, key=lambda i: (-candidates[i].nbytes, i)))
+                # Among equal sizes the earliest activation: it has the most compute around it.
+                pick = (min(finishing, key=lambda i: (candidates[i].nbytes, candidates[i].position, i)) if finishing
+                        else min(left, key=lambda i: (-candidates[i].nbytes, candidates[i].position, i)))
                 size = max(candidates[pick].nbytes, 1)
                 flags = list(out)
                 flags[pick] = True
