@@ -371,6 +371,23 @@ def test_eager_input_vals_and_set_eager_input_vals_on_a_custom_op():
     assert compat.eager_input_vals(plain) is None
 
 
+def test_lazy_graph_module_generates_code_only_when_called():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.add, (x, 1)))
+    gm = compat.lazy_graph_module(torch.nn.Module(), g)
+    assert isinstance(gm, torch.fx.GraphModule)
+    # No code yet: the lazy forward stands in until the first call (what the saving is).
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    assert isinstance(gm, _LazyGraphModule) and gm._needs_recompile()
+    # An interpreter reads the graph only, and leaves it so.
+    assert torch.equal(torch.fx.Interpreter(gm).run(torch.ones(2)), torch.full((2,), 2.0))
+    assert gm._needs_recompile()
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 2.0)) and not gm._needs_recompile()
+    assert "torch.add" in gm.code
+
+
 def test_node_position_follows_graph_order_through_insertions():
     graph = torch.fx.Graph()
     a = graph.placeholder("a")

@@ -43,6 +43,7 @@ from deepcompile.compat.dynamo import (
 from deepcompile.compat.fx import (
     eager_input_vals,
     is_op_overload,
+    lazy_graph_module,
     mark_ops_side_effectful,
     node_position,
     operator_namespace,
@@ -118,4 +119,5 @@ __all__ = [
     "tree_map_only",
     "weak_id_key_dictionary",
     "will_compile_frame",
+    "lazy_graph_module",
 ]

@@ -29,6 +29,19 @@ def node_position(node: Node) -> Any:
     return node._sort_key
 
 
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule over ``graph`` whose Python code is generated only when it is first called or
+    its code read. Most graph copies here are only read (planning) or interpreted node by node (the
+    profiler); generating code for each of them cost a second per warm start of a 16-layer model
+    compiled per layer (bench/compile_time.py). Uses ``torch.fx._lazy_graph_module``, what Dynamo
+    itself builds its graphs with; a plain GraphModule where it is missing."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def mark_ops_side_effectful() -> None:
     """Keep the runtime ops that return nothing useful alive through dead-code removal.
 

@@ -346,8 +346,7 @@ def _copy_graph_module(gm: GraphModule) -> GraphModule:
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    copy = GraphModule(gm, graph)
-    return copy
+    return compat.lazy_graph_module(gm, graph)
 
 
 class _ProfiledCallable:

@@ -21,6 +21,8 @@ from typing import Any, Dict, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from deepcompile import compat
+
 dc = torch.ops.dc
 
 # Op -> (its slot overload, position of the graph id argument, position of the ds id argument or
@@ -52,10 +54,8 @@ def rebind(gm: GraphModule, graph_id: int, new_graph_id: int, id_map: Dict[int, 
     and the ds ids ``id_map`` maps to."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    copy = GraphModule(gm, graph)
-    _rewrite_ids(copy.graph, graph_id, new_graph_id, id_map, to_slots=False)
-    copy.recompile()
-    return copy
+    _rewrite_ids(graph, graph_id, new_graph_id, id_map, to_slots=False)
+    return compat.lazy_graph_module(gm, graph)  # interpreted or read: code only if it is called
 
 
 def _rewrite_ids(graph: torch.fx.Graph, graph_id: int, new_graph: Any, id_map: Dict[int, int], to_slots: bool) -> int:
