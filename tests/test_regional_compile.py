@@ -222,6 +222,9 @@ class _Instance:
     def __init__(self, graph_id, template_graph_id):
         self.graph_id, self.template_graph_id = graph_id, template_graph_id
 
+    def ds_ids(self, first_ids):
+        return [100 * self.graph_id + i for i in first_ids]
+
 
 def test_instance_chain_links_only_unambiguous_shared_successors():
     from deepcompile.scheduling.instance_chain import InstanceChain
@@ -242,3 +245,41 @@ def test_instance_chain_links_only_unambiguous_shared_successors():
                      ("backward", 4): 3, ("backward", 2): 3}, links
     chain.clear()
     assert not chain.links
+
+
+def test_instance_chain_launches_only_what_fits_the_budget(monkeypatch):
+    """The next layer's first group is held through the current layer's run: a link is used only
+    while the current plan's predicted peak plus that group stays within the budget."""
+    from types import SimpleNamespace
+
+    from deepcompile.scheduling import instance_chain
+    from deepcompile.scheduling.instance_chain import InstanceChain
+
+    launched = []
+    monkeypatch.setattr(instance_chain, "_prefetch", lambda graph_id, ds_ids, dtypes: launched.append((graph_id, ds_ids)))
+    a, b = _Instance(2, 2), _Instance(3, 2)
+    chain = InstanceChain()
+    chain.start_recording()
+    for instance in (a, b):
+        chain.note("forward", instance)
+    chain.stop_recording()
+    chain.build(None, torch.device("cpu"))
+    gather = SimpleNamespace(ds_id=7, dtype=torch.bfloat16)
+    plan = SimpleNamespace(groups=[SimpleNamespace(gathers=[gather], nbytes=300)], predicted_peak_bytes=1000)
+    chain.set_head("forward", 2, plan)
+    chain.budget_bytes = 1300  # 1000 + 300: fits exactly
+    chain.launch_after("forward", 2)
+    assert launched == [(3, [307])] and chain.held_back == 0
+    chain.budget_bytes = 1299
+    chain.set_head("forward", 2, plan)  # a new plan: the decision is made again
+    chain.launch_after("forward", 2)
+    assert len(launched) == 1 and chain.held_back == 1 and chain.launched == 1
+    # No budget: always; a budget but no predicted peak (no profile): never.
+    chain.budget_bytes = None
+    chain.set_head("forward", 2, plan)
+    chain.launch_after("forward", 2)
+    assert len(launched) == 2
+    chain.budget_bytes = 10**9
+    chain.set_head("forward", 2, SimpleNamespace(groups=plan.groups, predicted_peak_bytes=None))
+    chain.launch_after("forward", 2)
+    assert len(launched) == 2 and chain.held_back == 2

@@ -213,6 +213,7 @@ class ScheduleDriver:
         self.applied = entry
         if "prefetch" in entry.passes:
             self.chain.build(self.group, self.device)  # collective, like the budget below
+            self.chain.budget_bytes = self.budget_bytes()
         else:
             self.chain.clear()
         if entry.passes and self.comm is None:

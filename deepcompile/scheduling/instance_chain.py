@@ -15,6 +15,12 @@ layer while the current one computes; this does the same for the instances of sh
 
 A link that turns out wrong (b does not follow a after all) costs memory, not correctness: the
 gathered parameters stay until their next use releases them.
+
+Memory: b's first group is held from a's start, on top of a's own peak. A link is used only if
+the predicted peak of a's plan plus that group stays within the memory budget (the driver's, the
+one the prefetch and persistence plans keep to). Both numbers come from profiles and plans that
+every rank holds alike (the profiler agrees on MAX values), so every rank keeps or drops the same
+links: a prefetch is a collective.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ PHASES = ("forward", "backward")
 class HeadGroup:
     """The first prefetch group of one graph half: the first instance's ds ids and their dtypes."""
 
-    __slots__ = ("ds_ids", "dtypes")
+    __slots__ = ("ds_ids", "dtypes", "nbytes")
 
-    def __init__(self, ds_ids: Sequence[int], dtypes: Sequence[torch.dtype]):
+    def __init__(self, ds_ids: Sequence[int], dtypes: Sequence[torch.dtype], nbytes: int = 0):
         self.ds_ids = list(ds_ids)
         self.dtypes = list(dtypes)
+        self.nbytes = nbytes  # gathered bytes
 
 
 class InstanceChain:
@@ -47,7 +54,13 @@ class InstanceChain:
         self._calls: Dict[str, List[Any]] = {phase: [] for phase in PHASES}
         self.links: Dict[Tuple[str, int], Any] = {}  # (phase, graph id) -> the instance that follows
         self.heads: Dict[Tuple[str, int], HeadGroup] = {}  # (phase, template graph id) -> its first group
+        # (phase, template graph id) -> the predicted peak of its prefetch plan (None: unknown).
+        self.peaks: Dict[Tuple[str, int], Optional[int]] = {}
+        self.budget_bytes: Optional[int] = None  # None: no budget to keep to
+        self._template_of: Dict[int, int] = {}  # graph id of an instance -> its template's
+        self._fits: Dict[Tuple[str, int], bool] = {}  # per link, decided at its first use
         self.launched = 0  # prefetches launched across graphs (tests, reports)
+        self.held_back = 0  # launches skipped because the group would not fit the budget
 
     # ---- learning the order ------------------------------------------------------------------
 
@@ -71,6 +84,7 @@ class InstanceChain:
             per_template: Dict[int, set] = {}
             for instance in calls:
                 per_template.setdefault(instance.template_graph_id, set()).add(instance.graph_id)
+                self._template_of[instance.graph_id] = instance.template_graph_id
             for a, b in zip(calls, calls[1:]):
                 if a.graph_id == b.graph_id or len(per_template[b.template_graph_id]) < 2:
                     continue
@@ -84,20 +98,26 @@ class InstanceChain:
             log.warning("deepcompile: the ranks ran their graphs in different orders; no prefetch across graphs")
             links = {}
         self.links = links
+        self._fits = {}
         self._calls = {phase: [] for phase in PHASES}
 
     def clear(self) -> None:
         self.links = {}
+        self._fits = {}
 
     # ---- what to prefetch --------------------------------------------------------------------
 
     def set_head(self, phase: str, template_graph_id: int, plan: Any) -> None:
-        """Remember the first group of the prefetch plan ``plan`` (or None) of a half."""
+        """Remember the first group of the prefetch plan ``plan`` (or None) of a half, and the
+        plan's predicted peak."""
+        self._fits = {}
+        self.peaks[(phase, template_graph_id)] = plan.predicted_peak_bytes if plan is not None else None
         if plan is None or not plan.groups:
             self.heads.pop((phase, template_graph_id), None)
             return
-        gathers = plan.groups[0].gathers
-        self.heads[(phase, template_graph_id)] = HeadGroup([g.ds_id for g in gathers], [g.dtype for g in gathers])
+        group = plan.groups[0]
+        self.heads[(phase, template_graph_id)] = HeadGroup([g.ds_id for g in group.gathers],
+                                                           [g.dtype for g in group.gathers], group.nbytes)
 
     def launch_after(self, phase: str, graph_id: int) -> None:
         """Instance ``graph_id`` starts a half of ``phase``: launch its successor's first group."""
@@ -107,8 +127,26 @@ class InstanceChain:
         head = self.heads.get((phase, following.template_graph_id))
         if head is None:
             return
-        torch.ops.dc.prefetch_params_fused(following.graph_id, [], following.ds_ids(head.ds_ids), dtypes=head.dtypes)
+        fits = self._fits.get((phase, graph_id))
+        if fits is None:
+            fits = self._fits[(phase, graph_id)] = self._fits_budget(phase, graph_id, head)
+        if not fits:
+            self.held_back += 1
+            return
+        _prefetch(following.graph_id, following.ds_ids(head.ds_ids), head.dtypes)
         self.launched += 1
+
+    def _fits_budget(self, phase: str, graph_id: int, head: HeadGroup) -> bool:
+        """Whether ``head``, held through the run of instance ``graph_id``, stays within the budget
+        above that instance's predicted peak (unknown peak: it does not, unless there is no budget)."""
+        if self.budget_bytes is None:
+            return True
+        peak = self.peaks.get((phase, self._template_of.get(graph_id, graph_id)))
+        return peak is not None and peak + head.nbytes <= self.budget_bytes
+
+
+def _prefetch(graph_id: int, ds_ids: List[int], dtypes: List[torch.dtype]) -> None:
+    torch.ops.dc.prefetch_params_fused(graph_id, [], ds_ids, dtypes=dtypes)
 
 
 def _same_on_every_rank(links: Dict[Tuple[str, int], Any], group: Optional[dist.ProcessGroup],
