@@ -72,6 +72,10 @@ def _body(ctx, name, backend, stage, steps):
         # Prefetch across layers: each layer, forward and backward, starts the next one's first group.
         assert {phase for phase, _ in driver.chain.links} == {"forward", "backward"}, driver.chain.links
         assert driver.chain.launched > 0
+        across = engine.schedule_report()["prefetch_across_graphs"]
+        assert across["links"] == len(driver.chain.links) and across["launched"] == driver.chain.launched
+        assert across["held_back_for_memory"] == 0  # a CPU budget (90 % of RAM) holds every group
+        assert "prefetch across graphs:" in engine.scheduler.report.text()
         # Parameters outside the layers (embedding, final norm, head) run eagerly, gathered by the hooks.
         eager = engine.eagerly_gathered_params()
         leaves = () if _experts_traceable() else (".mlp.experts.",)

@@ -88,6 +88,7 @@ class ScheduleDriver:
         self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
         self._halves: List[Any] = []  # weak references to the compiled halves handed to torch
         self.chain = InstanceChain()  # prefetch across graphs (shared layer graphs)
+        self.report.chain = self.chain.report
 
     # ---- compiled graphs --------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class ScheduleDriver:
         self.graphs, self.gathers, self.profiles = {}, {}, {}
         self.report.verify_profiles = {}
         self.chain = InstanceChain()
+        self.report.chain = None
 
     # ---- what the backend asks --------------------------------------------------------------
 

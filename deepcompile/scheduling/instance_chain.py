@@ -136,6 +136,11 @@ class InstanceChain:
         _prefetch(following.graph_id, following.ds_ids(head.ds_ids), head.dtypes)
         self.launched += 1
 
+    def report(self) -> Dict[str, Any]:
+        """For ``engine.schedule_report()``: the links and what they launched or held back."""
+        return {"links": len(self.links), "launched": self.launched, "held_back_for_memory": self.held_back,
+                "budget_bytes": self.budget_bytes}
+
     def _fits_budget(self, phase: str, graph_id: int, head: HeadGroup) -> bool:
         """Whether ``head``, held through the run of instance ``graph_id``, stays within the budget
         above that instance's predicted peak (unknown peak: it does not, unless there is no budget)."""

@@ -112,6 +112,8 @@ class ScheduleReport:
         self.activations: Optional[Callable[[], Dict[str, Any]]] = None
         # Set by the engine when the joint offload plan is on (offload/joint.py).
         self.joint: Optional[Callable[[], Dict[str, Any]]] = None
+        # Set by the driver: prefetch across graphs (instance_chain.py).
+        self.chain: Optional[Callable[[], Dict[str, Any]]] = None
 
     def planned(self, step: int, entry, budget: int, comm, profiles: Dict[Tuple, GraphProfile], persistent_plan,
                 prefetch_plans: Dict[Tuple, Any]) -> None:
@@ -170,6 +172,8 @@ class ScheduleReport:
         if self.current is not None:
             out = dict(self.current)
             out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
+            if self.chain is not None:
+                out["prefetch_across_graphs"] = self.chain()
         if self.offload is not None:
             out["optimizer_state_offload"] = self.offload()
         if self.activations is not None:
@@ -205,6 +209,10 @@ class ScheduleReport:
                      + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
         for p in r["persistent"]:
             lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
+        across = r.get("prefetch_across_graphs")
+        if across and across["links"]:
+            lines.append(f"  prefetch across graphs: {across['links']} link(s), {across['launched']} launched, "
+                         f"{across['held_back_for_memory']} held back by the budget")
         return "\n".join(lines + offload)
 
     def _emit(self) -> None:
