@@ -107,7 +107,8 @@ class Engine:
         self.activations = activation_memory(config, self.device)
         if self.activations is not None:
             self.scheduler.report.activations = self.activations.report
-        # Activation offload beside optimizer-state/parameter offload: one plan (offload/joint.py).
+        # Optimizer-state/parameter offload (and activation offload beside them): one plan
+        # (offload/joint.py).
         self.joint_offload = joint_offload(
             self.offload, self.activations, self.gradient_accumulation_steps,
             lambda: measured_compute(self.scheduler, self.step_report, self.gradient_accumulation_steps))

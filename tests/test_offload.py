@@ -213,6 +213,12 @@ def _budget_body(ctx, stage):
                              between_steps=check)
         report = engine.schedule_report()["optimizer_state_offload"]
         assert report["budget_bytes"] == budget and report["peak_without_offloadable_bytes"] == peak_without
+        # The decision is the joint plan's (the one all offload kinds share), here with optimizer
+        # state alone: the same tensor, and its predicted transfer and exposure on the report.
+        joint = engine.schedule_report()["offload_plan"]
+        assert joint["planned"] and joint["history"], joint
+        assert joint["kinds"]["optimizer_state"]["offloaded_bytes"] == sizes[0]
+        assert joint["kinds"]["activation"]["offloaded_bytes"] == 0 and joint["predicted_transfer_ms_per_step"] > 0
         assert "optimizer-state offload (compile.offload_opt_states)" in engine.scheduler.report.text()
         engine.destroy()
         assert got.losses == base.losses

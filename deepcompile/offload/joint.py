@@ -1,6 +1,8 @@
 """The engine's side of the joint offload plan (``joint_plan.py``): one decision for activation
-offload, optimizer-state offload and parameter offload, when activation offload is on together
-with either of the others.
+offload, optimizer-state offload and parameter offload, whenever optimizer-state or parameter
+offload is on (with activation offload or without: the plan then weighs optimizer state and master
+shards alone, from the same measurements). Activation offload alone keeps its own plan
+(``activations.py``).
 
 Before any measurement each side runs provisionally, so a job that fits only with offloading runs
 from its first step: every activation candidate is offloaded, the master shards of parameter
@@ -42,10 +44,10 @@ from deepcompile.offload.plan import OffloadBudgetError
 
 class JointOffload:
     """``offload``: the engine's ``OptimizerStateOffload``; ``activations``: its
-    ``ActivationMemory`` (offload on); ``compute``: returns (forward_s, backward_s, step_s, source)
-    per optimizer step, or None when nothing is measured."""
+    ``ActivationMemory`` with offload on, or None; ``compute``: returns (forward_s, backward_s,
+    step_s, source) per optimizer step, or None when nothing is measured."""
 
-    def __init__(self, offload: Any, activations: Any, micro_steps: int,
+    def __init__(self, offload: Any, activations: Optional[Any], micro_steps: int,
                  compute: Callable[[], Optional[Tuple[float, float, float, str]]]):
         self.offload = offload
         self.activations = activations
@@ -59,8 +61,18 @@ class JointOffload:
         self._floor_shift = 0  # the measured peak's move at schedule switches (CUDA)
         self._resident_at: Dict[str, int] = {}
         offload.joint = self
-        activations.joint = self
-        activations.offloader.resident_elsewhere = offload.resident_offloadable_bytes
+        if activations is not None:
+            activations.joint = self
+            activations.offloader.resident_elsewhere = offload.resident_offloadable_bytes
+
+    @property
+    def _offloader(self) -> Optional[Any]:
+        """The activation side's run-time state (None: activation offload is off)."""
+        return self.activations.offloader if self.activations is not None else None
+
+    def _activations_planned(self) -> bool:
+        """The activation side's provisional window (everything offloaded) is over."""
+        return self.activations is not None and self.activations.planned_after_step is not None
 
     # ---- measurements -------------------------------------------------------------------------
 
@@ -72,11 +84,10 @@ class JointOffload:
         return Link(rate, rate)
 
     def _measure(self) -> Dict[str, Any]:
-        off, act = self.offload, self.activations
-        o = act.offloader
+        off, o = self.offload, self._offloader
         compute = self.compute()
         link = self._link()
-        floor = max(off.peak_without or 0, o.observed_peak) + self._floor_shift
+        floor = max(off.peak_without or 0, o.observed_peak if o is not None else 0) + self._floor_shift
         step_floor = off.step_floor or 0
         f, b, s, source = compute if compute is not None else (0.0, 0.0, 0.0, "none")
         # One decision for all ranks: the largest readings, the slowest link (integers: bytes,
@@ -93,12 +104,11 @@ class JointOffload:
         """Plan all three kinds together and apply it (activations only once their provisional
         window is over). ``vote``: raise a host-buffer failure on every rank here; otherwise it is
         returned for the caller's vote."""
-        off, act = self.offload, self.activations
-        o = act.offloader
+        off, o = self.offload, self._offloader
         m = self._measure()
         settings = off.settings
         units = off.joint_units()
-        runs = o.planning_runs()
+        runs = o.planning_runs() if o is not None else []
         cands = [Candidate(("act", s.key, run), ACTIVATION, s.nbytes, position=o.positions.get((s.key, run), 0.0))
                  for s, run in runs]
         for u in units:
@@ -120,13 +130,13 @@ class JointOffload:
                                               "names the minimum there)")
         self.plan, self.inputs = plan, m
         decided = {c.key: out for c, out in zip(cands, plan.offloaded)}
-        if act.planned_after_step is not None:  # the provisional window is over
+        if self._activations_planned():  # the provisional window is over
             o.plan = {(s.key, run) for s, run in runs if decided[("act", s.key, run)]}
         failure = off.apply_joint_plan({u.storage_key: decided[("unit", u.storage_key)] for u in units},
                                        plan.headroom)
         self._peak_at_plan = device_memory.peak_allocated(off.device)
         self.history.append({"after_step": off.steps, "reason": reason,
-                             "activations_applied": act.planned_after_step is not None,
+                             "activations_applied": self._activations_planned(),
                              "offloaded_bytes": dict(plan.offloaded_bytes),
                              "predicted_exposed_ms_per_step": plan.exposed_total_s * 1e3})
         if not vote:
@@ -147,7 +157,9 @@ class JointOffload:
             self._resident_at[mode] = self._resident_now()
 
     def _resident_now(self) -> int:
-        o = self.activations.offloader
+        o = self._offloader
+        if o is None:
+            return self.offload.resident_offloadable_bytes()
         kept = 0 if o.plan is None else sum(s.bytes_per_micro_step - s.nbytes * o.planned_runs(s)
                                                for s in o.stats.values() if s.offloads)
         return kept + self.offload.resident_offloadable_bytes()
@@ -237,7 +249,9 @@ def measured_compute(driver: Any, step_report: Any, micro_steps: int) -> Optiona
 
 def joint_offload(offload: Any, activations: Any, micro_steps: int,
                   compute: Callable[[], Optional[Tuple[float, float, float, str]]]) -> Optional[JointOffload]:
-    """The joint plan when activation offload is on beside optimizer-state or parameter offload."""
-    if offload is None or activations is None or not activations.offload:
+    """The joint plan whenever optimizer-state or parameter offload is on (``activations``: the
+    activation side, taken in when its offload is on)."""
+    if offload is None:
         return None
-    return JointOffload(offload, activations, micro_steps, compute)
+    return JointOffload(offload, activations if activations is not None and activations.offload else None,
+                        micro_steps, compute)
