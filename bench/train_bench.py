@@ -173,6 +173,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sub-group-size", type=float, default=None,
                    help="deepcompile ZeRO-3 zero_optimization.sub_group_size in elements (default: the library's, "
                         "DeepSpeed's 1e9): the optimizer step updates at most this many master elements at a time")
+    p.add_argument("--communication-data-type", choices=["fp32", "bf16"], default=None,
+                   help="deepcompile communication_data_type: gradients are reduced in this dtype and, under "
+                        "ZeRO-3, their partitions kept in it (default: the library's, fp32)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
@@ -422,6 +425,8 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
         config["compile"]["memory_budget_bytes"] = int(ctx.args.memory_budget_gib * 2**30)
     if ctx.args.sub_group_size is not None and stage == 3:
         config["zero_optimization"]["sub_group_size"] = int(ctx.args.sub_group_size)
+    if ctx.args.communication_data_type is not None:
+        config["communication_data_type"] = ctx.args.communication_data_type
     for section, values in offload_config(ctx.args, offload, budget_bytes).items():
         config[section].update(values)
     init = dict(init_fn=model._init_weights, device=ctx.device) if meta else {}
@@ -912,7 +917,9 @@ def environment(ctx: Context, pcie: Optional[Dict[str, float]] = None) -> Dict[s
             "off": "off (caches disabled)",
         }[a.compile_cache] + ("; warm restart per row" if a.warm_start else ""),
         "deepcompile": (f"reduce_bucket_size {a.reduce_bucket_size:,}, "
-                        f"stage3_param_persistence_threshold {a.persistence_threshold:,}"),
+                        f"stage3_param_persistence_threshold {a.persistence_threshold:,}"
+                        + (f", communication_data_type {a.communication_data_type}"
+                           if a.communication_data_type else "")),
         "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
         "init": {"device": "built on the device in the training dtype",
                  "meta": "built on meta; deepcompile.initialize(init_fn=, device=) / FSDP2 to_empty + init"}[a.init],
