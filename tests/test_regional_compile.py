@@ -272,18 +272,18 @@ def test_instance_chain_launches_only_what_fits_the_budget(monkeypatch):
     plan = SimpleNamespace(groups=[SimpleNamespace(gathers=[gather], nbytes=300)], predicted_peak_bytes=1000)
     chain.set_head("forward", 2, plan)
     chain.budget_bytes = 1300  # 1000 + 300: fits exactly
-    chain.launch_after("forward", 2)
+    chain.launch_after("forward", 2, 2)
     assert launched == [(3, [307])] and chain.held_back == 0
     chain.budget_bytes = 1299
     chain.set_head("forward", 2, plan)  # a new plan: the decision is made again
-    chain.launch_after("forward", 2)
+    chain.launch_after("forward", 2, 2)
     assert len(launched) == 1 and chain.held_back == 1 and chain.launched == 1
     # No budget: always; a budget but no predicted peak (no profile): never.
     chain.budget_bytes = None
     chain.set_head("forward", 2, plan)
-    chain.launch_after("forward", 2)
+    chain.launch_after("forward", 2, 2)
     assert len(launched) == 2
     chain.budget_bytes = 10**9
     chain.set_head("forward", 2, SimpleNamespace(groups=plan.groups, predicted_peak_bytes=None))
-    chain.launch_after("forward", 2)
+    chain.launch_after("forward", 2, 2)
     assert len(launched) == 2 and chain.held_back == 2

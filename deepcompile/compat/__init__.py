@@ -91,6 +91,7 @@ __all__ = [
     "inductor_joint_graph_passes",
     "is_incoming_gradient",
     "is_op_overload",
+    "lazy_graph_module",
     "joint_primal_inputs",
     "mark_boxed",
     "mark_must_recompute",
@@ -119,5 +120,4 @@ __all__ = [
     "tree_map_only",
     "weak_id_key_dictionary",
     "will_compile_frame",
-    "lazy_graph_module",
 ]

@@ -34,11 +34,9 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
     its code read. Most graph copies here are only read (planning) or interpreted node by node (the
     profiler); generating code for each of them cost a second per warm start of a 16-layer model
     compiled per layer (bench/compile_time.py). Uses ``torch.fx._lazy_graph_module``, what Dynamo
-    itself builds its graphs with; a plain GraphModule where it is missing."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return torch.fx.GraphModule(root, graph)
+    itself builds its graphs with (torch >= 2.3)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
     return _LazyGraphModule(root, graph)
 
 

@@ -77,8 +77,8 @@ class KeyStats:
     kept: int = 0  # runs in which the plan (or a shared storage) kept it on the device
     # The most runs of this site in one micro-step. A graph whose instances serve several layers
     # (regional compilation: one compiled decoder layer, its offload ops and their keys, run once
-    # per layer) or a module called twice per forward runs a site several times, and the plan's
-    # decision for the key moves or keeps every one of those tensors.
+    # per layer) or a module called twice per forward runs a site several times; the plan
+    # decides each run, (key, run), on its own.
     runs_per_micro_step: int = 0
 
     @property

@@ -29,7 +29,8 @@ side's (``plan.py``). The compute that copies hide behind: per phase, the ZeRO-3
 times (one micro-step, times the accumulation steps) once the schedule has profiled, else the
 engine's timings under ``wall_clock_breakdown``, else none (every copy counts as exposed, and the
 plan minimises transfer time). Each activation run has its position in the forward
-(``ActivationOffloader.positions``), by which the plan places its copies in their phases. The step's time comes from ``wall_clock_breakdown`` only.
+(``ActivationOffloader.positions``), by which the plan places its copies in their phases. The
+step's time comes from ``wall_clock_breakdown`` only.
 """
 
 from __future__ import annotations

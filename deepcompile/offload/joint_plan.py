@@ -31,8 +31,8 @@ it back at the mirrored point, ``1 - position`` of the way through. So the copy 
 through one micro-step, the offloads in forward order, the reloads in the order the backward needs
 them (each as early as the lane allows): an activation computed late in the forward, needed early
 in the backward, has little compute to hide behind, and the plan prefers to offload early ones.
-Without positions (0 for all) this is the whole-phase comparison above. The plan offloads, until both peaks
-fit, the candidate that adds the least exposed time per byte saved; among equals, the least
+Without positions (0 for all) this is the whole-phase comparison above. The plan offloads, until
+both peaks fit, the candidate that adds the least exposed time per byte saved; among equals, the least
 transfer time per byte, then optimizer state before activations before master shards (the
 cheaper and simpler to undo first). Within a kind, the smallest candidate that alone covers what
 is still missing completes the plan, else the largest goes and the search goes on; among equal

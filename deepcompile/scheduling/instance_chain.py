@@ -57,7 +57,6 @@ class InstanceChain:
         # (phase, template graph id) -> the predicted peak of its prefetch plan (None: unknown).
         self.peaks: Dict[Tuple[str, int], Optional[int]] = {}
         self.budget_bytes: Optional[int] = None  # None: no budget to keep to
-        self._template_of: Dict[int, int] = {}  # graph id of an instance -> its template's
         self._fits: Dict[Tuple[str, int], bool] = {}  # per link, decided at its first use
         self.launched = 0  # prefetches launched across graphs (tests, reports)
         self.held_back = 0  # launches skipped because the group would not fit the budget
@@ -84,7 +83,6 @@ class InstanceChain:
             per_template: Dict[int, set] = {}
             for instance in calls:
                 per_template.setdefault(instance.template_graph_id, set()).add(instance.graph_id)
-                self._template_of[instance.graph_id] = instance.template_graph_id
             for a, b in zip(calls, calls[1:]):
                 if a.graph_id == b.graph_id or len(per_template[b.template_graph_id]) < 2:
                     continue
@@ -119,8 +117,9 @@ class InstanceChain:
         self.heads[(phase, template_graph_id)] = HeadGroup([g.ds_id for g in group.gathers],
                                                            [g.dtype for g in group.gathers], group.nbytes)
 
-    def launch_after(self, phase: str, graph_id: int) -> None:
-        """Instance ``graph_id`` starts a half of ``phase``: launch its successor's first group."""
+    def launch_after(self, phase: str, graph_id: int, template_graph_id: int) -> None:
+        """Instance ``graph_id`` (of the graph compiled for ``template_graph_id``) starts a half of
+        ``phase``: launch its successor's first group."""
         following = self.links.get((phase, graph_id))
         if following is None:
             return
@@ -129,7 +128,7 @@ class InstanceChain:
             return
         fits = self._fits.get((phase, graph_id))
         if fits is None:
-            fits = self._fits[(phase, graph_id)] = self._fits_budget(phase, graph_id, head)
+            fits = self._fits[(phase, graph_id)] = self._fits_budget(phase, template_graph_id, head)
         if not fits:
             self.held_back += 1
             return
@@ -141,12 +140,13 @@ class InstanceChain:
         return {"links": len(self.links), "launched": self.launched, "held_back_for_memory": self.held_back,
                 "budget_bytes": self.budget_bytes}
 
-    def _fits_budget(self, phase: str, graph_id: int, head: HeadGroup) -> bool:
-        """Whether ``head``, held through the run of instance ``graph_id``, stays within the budget
-        above that instance's predicted peak (unknown peak: it does not, unless there is no budget)."""
+    def _fits_budget(self, phase: str, template_graph_id: int, head: HeadGroup) -> bool:
+        """Whether ``head``, held through the run of an instance of ``template_graph_id``'s graph,
+        stays within the budget above that graph's predicted peak (unknown peak: it does not,
+        unless there is no budget)."""
         if self.budget_bytes is None:
             return True
-        peak = self.peaks.get((phase, self._template_of.get(graph_id, graph_id)))
+        peak = self.peaks.get((phase, template_graph_id))
         return peak is not None and peak + head.nbytes <= self.budget_bytes
 
 
