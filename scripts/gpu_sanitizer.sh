@@ -13,6 +13,8 @@
 # "--offload" for optimizer-state offload with a streamed step), SANITIZER_API_ERRORS (memcheck's
 # --report-api-errors: no (default) | explicit | all; NCCL and torch probe optional driver
 # features through calls that fail by design, which "explicit" reports as errors).
+# SANITIZER_PYTEST: pytest arguments (e.g. a GPU test's node id) to run under memcheck instead of
+# the example, with DC_TEST_DEVICE=cuda; the job must then pass its tests.
 # Logs: $OUT/sanitizer.log (compute-sanitizer's report), $OUT/sanitizer-app.log (the job's output).
 # Exit status: 0 when the job succeeded and every "ERROR SUMMARY" line reads 0 errors; 2 when
 # compute-sanitizer or the built extension is missing; otherwise non-zero (124: time limit).
@@ -52,10 +54,15 @@ else
   LAUNCH=(python3 -m torch.distributed.run)
 fi
 
+if [ -n "${SANITIZER_PYTEST:-}" ]; then
+  JOB=(env DC_TEST_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider $SANITIZER_PYTEST)
+else
+  JOB=("${LAUNCH[@]}" --standalone --nproc-per-node "$NPROC" examples/train_llama.py --steps "$STEPS" --backend eager
+       ${SANITIZER_ARGS:-})
+fi
 {
   echo "gpu_sanitizer: $("$SANITIZER" --version 2>&1 | grep -i version | head -1)"
-  echo "gpu_sanitizer: memcheck over ${LAUNCH[*]} --standalone --nproc-per-node $NPROC examples/train_llama.py" \
-       "--steps $STEPS --backend eager ${SANITIZER_ARGS:-} (limit ${LIMIT}s, api errors: $API_ERRORS)"
+  echo "gpu_sanitizer: memcheck over ${JOB[*]} (limit ${LIMIT}s, api errors: $API_ERRORS)"
 } | tee "$OUT/sanitizer-run.txt"
 
 start=$(date +%s)
@@ -64,8 +71,7 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1 \
   "$SANITIZER" --tool memcheck --target-processes all --require-cuda-init no \
     --launch-timeout 120 --report-api-errors "$API_ERRORS" --error-exitcode 86 --print-limit 100 \
     --log-file "$LOG" \
-  "${LAUNCH[@]}" --standalone --nproc-per-node $NPROC examples/train_llama.py --steps "$STEPS" --backend eager \
-  ${SANITIZER_ARGS:-} > "$APP_LOG" 2>&1
+  "${JOB[@]}" > "$APP_LOG" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 
@@ -94,7 +100,12 @@ elif [ "$n_clean" -ne "$n_summaries" ]; then
   grep -v "^========= *$" "$LOG" | head -60
   status=1
 fi
-if ! grep -q "single-process check: .* -> OK" "$APP_LOG"; then
+if [ -n "${SANITIZER_PYTEST:-}" ]; then
+  if ! grep -q " passed" "$APP_LOG" || grep -q " failed\| error" "$APP_LOG"; then
+    echo "gpu_sanitizer: FAILED: the tests did not all pass"
+    status=1
+  fi
+elif ! grep -q "single-process check: .* -> OK" "$APP_LOG"; then
   echo "gpu_sanitizer: FAILED: the job did not finish with its single-process check OK"
   status=1
 fi

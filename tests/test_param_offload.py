@@ -411,6 +411,12 @@ def _resident_hosts_body(ctx):
 
         def check(engine, step):
             off = engine.offload
+            if ctx.device.type == "cuda":
+                # A released buffer waits for events of the copies queued before the release
+                # (offload/host_release.py); once they have run, the next poll drops it.
+                torch.cuda.synchronize()
+                off.releases.poll()
+                assert off.releases.nbytes == 0, step
             units = list(off.units.values())
             out = [u for u in units if u.planned_out]
             kept = [u for u in units if not u.planned_out]
@@ -446,6 +452,12 @@ def _resident_hosts_body(ctx):
 @cpu_only
 def test_host_buffers_of_resident_units_are_released():
     run_distributed(_resident_hosts_body, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_host_buffers_of_resident_units_are_released():
+    # The GPU path of the release: page-locked buffers, freed once the copies that read them ran.
+    run_distributed(_resident_hosts_body, multiproc.single_world_size())
 
 
 def test_host_release_waits_for_its_readers():
