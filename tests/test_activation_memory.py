@@ -166,8 +166,8 @@ def _empty_after_forward(observed):
         def forward(*a, **k):
             out = original(*a, **k)
             o = activation_ops.active()
-            stash = list(o._stash.keys()) if o is not None else []
-            observed.append((len(stash), all(t.untyped_storage().nbytes() == 0 for t in stash)))
+            stash = list(o._stash.keys()) if o is not None else []  # the offloaded storages
+            observed.append((len(stash), all(storage.nbytes() == 0 for storage in stash)))
             return out
 
         engine.forward = forward

@@ -217,8 +217,19 @@ def offload_config(sizes: dict) -> dict:
     return {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "sub_group_size": sizes["width"] * sizes["ffn"]}
 
 
+def with_offload(config: dict, sizes: dict, offload: str) -> dict:
+    """``offload``: "opt_states" (offload_config) or "all": also every master shard on the host
+    (gathered from there on the runtime's lanes) and activation offload with free_activation, as
+    the joint plan places it (the first step's window offloads every candidate provisionally)."""
+    config["zero_optimization"].update(offload_config(sizes))
+    if offload == "all":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        config.setdefault("compile", {}).update(offload_activation=True, free_activation=True)
+    return config
+
+
 def _stress_body(ctx, stage: int, sizes: dict, backend: str, steps: int, min_prefetch_groups: int,
-                 offload: bool = False):
+                 offload: str = ""):
     runs: Dict[str, RunResult] = {}
     groups: Dict[str, Optional[int]] = {}
     with deterministic_inductor():
@@ -227,7 +238,7 @@ def _stress_body(ctx, stage: int, sizes: dict, backend: str, steps: int, min_pre
             if offload and mode == "overlapped":
                 # Compared with the serialized run *without* offload: offload must move bytes only,
                 # and its copies must be ordered against the step and the next forward.
-                config["zero_optimization"].update(offload_config(sizes))
+                config = with_offload(config, sizes, offload)
             runs[mode], groups[mode] = train_engine(ctx, sizes, config, backend, steps)
     what = f"ZeRO-{stage} ({backend}, rank {ctx.rank})"
     assert_bitwise_equal(runs["overlapped"], runs["serialized"], what)
@@ -271,11 +282,20 @@ def test_zero3_overlapped_with_offload_equals_serialized():
     """As test_zero3_overlapped_equals_serialized, with optimizer-state offload streaming the step
     in the overlapped run only: bitwise the serialized run without offload."""
     run_distributed(_stress_body, WORLD, args=(3, GPU_SIZES, "inductor", GPU_MICRO_STEPS, 8),
-                    kwargs={"offload": True}, timeout=600)
+                    kwargs={"offload": "opt_states"}, timeout=600)
+
+
+@pytest.mark.gpu
+def test_zero3_overlapped_with_every_offload_kind_equals_serialized():
+    """As above with parameter and activation offload on too (masters gathered from the host,
+    activations copied out in the forward and back in the backward): bitwise the serialized run
+    without offload."""
+    run_distributed(_stress_body, WORLD, args=(3, GPU_SIZES, "inductor", GPU_MICRO_STEPS, 8),
+                    kwargs={"offload": "all"}, timeout=600)
 
 
 @cpu_only
-@pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (3, True)])
+@pytest.mark.parametrize("stage,offload", [(2, ""), (3, ""), (3, "opt_states"), (3, "all")])
 def test_overlapped_equals_serialized_cpu_smoke(stage, offload):
     run_distributed(_stress_body, WORLD, args=(stage, CPU_SIZES, "inductor", CPU_MICRO_STEPS, 4),
                     kwargs={"offload": offload}, timeout=600)

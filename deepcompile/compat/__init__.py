@@ -69,7 +69,14 @@ from deepcompile.compat.modules import (
     swap_parameter,
 )
 from deepcompile.compat.streams import stream_from_ids
-from deepcompile.compat.tensors import foreach_mul_, foreach_norm, shares_storage, storage_id, weak_id_key_dictionary
+from deepcompile.compat.tensors import (
+    foreach_mul_,
+    foreach_norm,
+    shares_storage,
+    storage_id,
+    storage_object,
+    weak_id_key_dictionary,
+)
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -118,6 +125,7 @@ __all__ = [
     "tree_leaves",
     "traced_value",
     "tree_map_only",
+    "storage_object",
     "weak_id_key_dictionary",
     "will_compile_frame",
 ]

@@ -31,6 +31,14 @@ def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+def storage_object(t: torch.Tensor):
+    """The Python object of the storage ``t`` views, for keying a weak dictionary by storage: every
+    tensor object over one storage (an alias a compiler made with ``reinterpret_tensor``, a view
+    autograd saved) returns the same object while the storage lives, and it dies with the storage.
+    Relies on torch keeping one Python object per StorageImpl (``UntypedStorage`` preservation)."""
+    return t.untyped_storage()
+
+
 def weak_id_key_dictionary():
     """A dict keyed by tensor *identity* that drops an entry when its tensor dies (a plain
     WeakKeyDictionary compares keys with ``==``, which is elementwise for tensors). Relies on

@@ -102,6 +102,8 @@ class ActivationOffloader:
         self.lanes = CopyLanes(device)
         self.plan: Optional[Set[Tuple[int, int]]] = None
         self.stats: Dict[int, KeyStats] = {}
+        # Keyed by storage, not by tensor object: Inductor may offload one tensor object (a
+        # `reinterpret_tensor` of its buffer) and hand autograd another over the same storage.
         self._stash = compat.weak_id_key_dictionary()
         # The most device memory allocated at any op call while ``sample`` (the plan's floor).
         self.sample = True
@@ -156,12 +158,12 @@ class ActivationOffloader:
                                f"{'pinned' if self.pin_memory else 'pageable'} host memory: {e}") from e
         written = self.lanes.offload(host, x)  # tells the allocator the offload lane reads x
         x.untyped_storage().resize_(0)
-        self._stash[x] = _Stashed(host, written, nbytes=nbytes)
+        self._stash[compat.storage_object(x)] = _Stashed(host, written, nbytes=nbytes)
         stats.offloads += 1
 
     def reload(self, x: torch.Tensor, key: int) -> None:
         self._sample()
-        entry = self._stash.get(x)
+        entry = self._stash.get(compat.storage_object(x))
         if entry is None:
             if x.untyped_storage().nbytes() == 0 and x.numel() > 0:
                 raise RuntimeError(
@@ -176,7 +178,7 @@ class ActivationOffloader:
 
     def wait(self, x: torch.Tensor, key: int) -> None:
         self._sample()
-        entry = self._stash.pop(x, None)
+        entry = self._stash.pop(compat.storage_object(x), None)
         if entry is None:
             return
         if entry.reloaded is None:
