@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -140,12 +141,24 @@ def markdown(summaries: List[dict], header: Dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gpu_names() -> str:
+    """The GPUs, from nvidia-smi (this process never initialises CUDA: the tries need the whole
+    card); a try that trains replaces it with its own description."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    names = [n.strip() for n in out if n.strip()]
+    return f"{len(names)} x {names[0]}" if names else "unknown"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
     row_process.stop_children_on_termination()
     header: Dict[str, str] = {"date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-                              "device": "unknown"}
+                              "device": gpu_names()}
     summaries: List[dict] = []
 
     def write() -> None:

@@ -100,7 +100,8 @@ def failure(code: Optional[int], tail: List[str], timeout: Optional[float]) -> T
     text = "\n".join(tail)
     # The worker's own error, not torchrun's report that a worker failed.
     ours = [line for line in tail if not any(s in line for s in ("torch.distributed.elastic", "ChildFailedError",
-                                                                 "error_file", "traceback :"))]
+                                                                 "error_file", "traceback :"))
+            and line.strip().strip("=-")]  # torchrun's ==== / ---- rules say nothing
     last = next((line.strip() for line in reversed(ours)
                  if "Error" in line or "error:" in line or "Exception" in line), ours[-1].strip() if ours else "")
     if code in (-9, 137) or "SIGKILL" in text or "exitcode  : -9" in text:
