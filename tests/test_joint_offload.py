@@ -54,7 +54,9 @@ def _config(budget=None, offload=True):
     return cfg
 
 
-def _train(ctx, cfg, rows=ROWS):
+def _train(ctx, cfg, rows=ROWS, steps=STEPS, readings=None):
+    """``readings``: a dict whose keys are step numbers; after those steps, the device memory
+    allocated and the engine's host offload buffers are recorded in it."""
     import deepcompile
 
     torch._dynamo.reset()
@@ -63,13 +65,18 @@ def _train(ctx, cfg, rows=ROWS):
     engine = deepcompile.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
     engine.compile(backend="eager")
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(rows, 7, generator=g), torch.randn(rows, 5, generator=g)
         loss = engine(x.to(ctx.device), y.to(ctx.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if readings is not None and step + 1 in readings:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            host = engine.offload.host_bytes() if engine.offload is not None else 0
+            readings[step + 1] = (torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0, host)
     return losses, {k: v.clone() for k, v in engine.full_state_dict(all_ranks=True).items()}, engine
 
 
@@ -163,10 +170,11 @@ def test_joint_plan_choice_follows_the_budget():
 # ---- GPU ------------------------------------------------------------------------------------------
 
 GPU_ROWS = 1 << 17  # the saved activation: 2.5 MiB, above the 1 MiB minimum of a GPU candidate
+GPU_STEPS = 50  # the tight run: device memory and host buffers after step 50 equal those after step 5
 
 
 def _gpu_body(ctx):
-    base_losses, base_params, engine = _train(ctx, _config(offload=False), GPU_ROWS)
+    base_losses, base_params, engine = _train(ctx, _config(offload=False), GPU_ROWS, GPU_STEPS)
     engine.destroy()
     plans = {}
     for name in ("roomy", "tight"):
@@ -183,8 +191,11 @@ def _gpu_body(ctx):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        losses, params, engine = _train(ctx, _config(budget), GPU_ROWS)
+        readings = {5: None, GPU_STEPS: None}
+        losses, params, engine = _train(ctx, _config(budget), GPU_ROWS, GPU_STEPS, readings)
         plan = engine.schedule_report()["offload_plan"]
+        # Nothing accumulates from step to step: not on the device, not in host buffers.
+        assert readings[GPU_STEPS] == readings[5], (name, readings)
         print(f"rank {ctx.rank} {name}: {engine.scheduler.report.text()}", flush=True)
         engine.destroy()
         # The copies only move bytes, on streams ordered by events: bitwise (an MLP: no atomics).

@@ -654,7 +654,7 @@ def _gpu_body(ctx, steps: int, early: int):
 
 @pytest.mark.gpu
 def test_param_offload_gpu_parity_and_memory():
-    run_distributed(_gpu_body, multiproc.single_world_size(), args=(30, 5), timeout=600)
+    run_distributed(_gpu_body, multiproc.single_world_size(), args=(50, 5), timeout=600)
 
 
 # ---- from the first forward ------------------------------------------------------------------
