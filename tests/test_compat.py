@@ -476,6 +476,22 @@ def test_storage_id_follows_the_storage_through_views_and_resizes():
     assert compat.storage_id(base) == key and compat.storage_id(other) != key
 
 
+def test_storage_object_is_one_object_per_storage_and_keys_a_weak_dictionary():
+    import gc
+
+    buffer = torch.arange(4.0).reshape(4, 1)
+    alias = buffer.as_strided((4, 1), (1, 1), 0)  # another tensor object, as reinterpret_tensor makes
+    assert compat.storage_object(alias) is compat.storage_object(buffer)
+    assert compat.storage_object(buffer.clone()) is not compat.storage_object(buffer)
+    d = compat.weak_id_key_dictionary()
+    d[compat.storage_object(buffer)] = "host copy"
+    buffer.untyped_storage().resize_(0)  # freed the way offload frees it: still the same storage
+    assert d.get(compat.storage_object(alias)) == "host copy"
+    del buffer, alias
+    gc.collect()
+    assert len(d) == 0  # the entry dies with the storage
+
+
 def test_traced_value_and_set_traced_value_on_a_dynamo_graph():
     seen = []
 
