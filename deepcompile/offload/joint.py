@@ -159,9 +159,7 @@ class JointOffload:
 
     def _resident_now(self) -> int:
         o = self._offloader
-        if o is None:
-            return self.offload.resident_offloadable_bytes()
-        kept = 0 if o.plan is None else sum(s.bytes_per_micro_step - s.nbytes * o.planned_runs(s)
+        kept = 0 if o is None or o.plan is None else sum(s.bytes_per_micro_step - s.nbytes * o.planned_runs(s)
                                                for s in o.stats.values() if s.offloads)
         return kept + self.offload.resident_offloadable_bytes()
 
