@@ -613,6 +613,11 @@ class CompileConfig(_Section):
     debug_checks: bool = _key(_bool, False, "Verify while training that no parameter placeholder reaches a "
                               "computation and that every gradient is reduced exactly as often as it is "
                               "produced (deepcompile/debug_checks.py); raises DebugCheckError otherwise.")
+    optimizer_step_in_backward: bool = _key(
+        _bool, False, "ZeRO-3: step each parameter during the backward of a window's last micro-step, as soon as its "
+        "gradient is final, and free its gradient partition then (deepcompile/zero/backward_step.py); with "
+        "engine.compile(regional=True) a backward holds about one layer's gradients at a time. Needs no "
+        "gradient_clipping and no optimizer-state or parameter offload.")
     report_dir: Optional[str] = _key(_optional(_string), None, "Directory for graph/profile reports, or null.")
     sync_before_reduce: bool = _key(_bool, False, "Debug: device sync before each reduce.")
     sync_after_reduce: bool = _key(_bool, False, "Debug: device sync after each reduce.")
@@ -989,11 +994,36 @@ class Config(_Section):
 
     def _check_together(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
         # A section that failed its own checks is left as given (not a section object): skip.
-        if (isinstance(self.compile, CompileConfig) and isinstance(self.zero_optimization, ZeroConfig)
-                and self.compile.offload_parameters and self.zero_optimization.stage != 3):
-            return [("compile.offload_parameters", "compile.offload_parameters: "
-                     + _PARAM_OFFLOAD_STAGE.format(stage=self.zero_optimization.stage))]
-        return []
+        if not (isinstance(self.compile, CompileConfig) and isinstance(self.zero_optimization, ZeroConfig)):
+            return []
+        problems: List[Tuple[str, str]] = []
+        if self.compile.offload_parameters and self.zero_optimization.stage != 3:
+            problems.append(("compile.offload_parameters", "compile.offload_parameters: "
+                             + _PARAM_OFFLOAD_STAGE.format(stage=self.zero_optimization.stage)))
+        if self.compile.optimizer_step_in_backward:
+            problems.extend(self._step_in_backward_conflicts(valid))
+        return problems
+
+    def _step_in_backward_conflicts(self, valid: Callable[[str], bool]) -> List[Tuple[str, str]]:
+        """compile.optimizer_step_in_backward against the keys it cannot work with, and why."""
+        key = "compile.optimizer_step_in_backward"
+        z = self.zero_optimization
+        conflicts = []
+        if z.stage != 3:
+            conflicts.append(f"zero_optimization.stage is {z.stage}: it is built for ZeRO-3's per-parameter gradient "
+                             "partitions (ZeRO-1/2 reduce into flat partitions that span parameters)")
+        if valid("gradient_clipping") and not _is_auto(self.gradient_clipping) and self.gradient_clipping > 0:
+            conflicts.append(f"gradient_clipping is {self.gradient_clipping}: clipping scales every gradient by the "
+                             "global norm, which is known only after the last gradient, too late for a step in the "
+                             "backward")
+        offloads = [name for name, on in (("compile.offload_opt_states", self.compile.offload_opt_states),
+                                          ("compile.offload_parameters", self.compile.offload_parameters),
+                                          ("zero_optimization.offload_optimizer", z.offload_optimizer is not None),
+                                          ("zero_optimization.offload_param", z.offload_param is not None)) if on]
+        if offloads:
+            conflicts.append(f"{', '.join(offloads)} on: the offloaded step streams optimizer state and masters "
+                             "through host memory sub-group by sub-group after the backward")
+        return [(key, f"{key} cannot be used here: {c}; turn it off or change that setting") for c in conflicts]
 
     def to_dict(self) -> Dict[str, Any]:
         out = super().to_dict()

@@ -114,6 +114,7 @@ class Engine:
             lambda: measured_compute(self.scheduler, self.step_report, self.gradient_accumulation_steps))
         if self.joint_offload is not None:
             self.scheduler.report.joint = self.joint_offload.report
+        self.scheduler.backward_step = self.sharding.backward_step  # compile.optimizer_step_in_backward
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations)
         self._ledger: Optional[debug_checks.ReductionLedger] = None
@@ -164,7 +165,10 @@ class Engine:
         device tensor, e.g. ``attention_mask.sum()``); default: the elements of the forward's
         ``input_ids`` argument, or of its first integer tensor argument."""
         self.step_report.after_micro_step(loss, tokens)
-        self.sharding.start_backward(self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        self.sharding.start_backward(boundary)
+        if self.sharding.backward_step is not None:
+            self.sharding.backward_step.begin_backward(boundary, profiled=self.scheduler.mode is not None)
         if self.offload is not None:
             self.offload.before_backward(self.is_gradient_accumulation_boundary())
         self.step_report.start("backward")

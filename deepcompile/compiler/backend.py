@@ -393,6 +393,16 @@ class _ProfiledCallable:
         driver = self.driver
         if driver is None:
             raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
+        step = driver.backward_step if self.reduces else None
+        if step is not None and step.armed:  # compile.optimizer_step_in_backward (zero/backward_step.py)
+            instance = self.record.instances[int(boxed[self.graph_arg])]  # read before the run clears boxed
+            out = self._run(boxed, driver)
+            first = instance.graph_id == self.record.graph_id
+            step.after_graph(self.reduces if first else instance.ds_ids(self.reduces))
+            return out
+        return self._run(boxed, driver)
+
+    def _run(self, boxed: List[Any], driver):
         checking = bool(self.reduces) and debug_checks.LEDGER is not None
         chain = driver.chain
         if driver.mode is None and not checking:

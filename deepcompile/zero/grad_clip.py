@@ -10,8 +10,15 @@ import torch.distributed as dist
 from deepcompile import compat
 
 
+def local_square_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads`` (this rank's part of the global norm), fp64 on ``device``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(compat.foreach_norm(grads)).double().pow(2).sum()
+
+
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup],
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, spent_square: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scale ``grads`` in place so that the L2 norm of all ranks' gradients together is at most
     ``max_norm`` (no scaling when ``max_norm <= 0``); returns that norm (fp32, on ``device``).
 
@@ -19,10 +26,14 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, group: Optio
     over the ranks to the square of the global norm: one all-reduce of a scalar. The sum runs in
     fp64, so many small partitions (one per ZeRO-3 parameter) add up without loss. A rank with no
     gradient still joins the all-reduce (with 0), on ``device``.
+
+    ``spent_square``: the sum of squares of gradients this rank already stepped and dropped in
+    this window (``compile.optimizer_step_in_backward``): they count in the norm; nothing scales
+    them (that option refuses clipping).
     """
-    local_sq = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:
-        local_sq = torch.stack(compat.foreach_norm(grads)).double().pow(2).sum()
+    local_sq = local_square_norm(grads, device)
+    if spent_square is not None:
+        local_sq = local_sq + spent_square
     dist.all_reduce(local_sq, group=group)
     norm = local_sq.sqrt().float()
     if max_norm > 0:

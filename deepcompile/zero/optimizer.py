@@ -17,12 +17,12 @@ activations peak (docs/design.md, "Measured").
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from deepcompile.zero.grad_clip import clip_grad_norm_
+from deepcompile.zero.grad_clip import clip_grad_norm_, local_square_norm
 from deepcompile.zero.partition import ShardedParam
 from deepcompile.zero.sub_groups import SubGroupHooks, split_sub_groups
 
@@ -58,6 +58,7 @@ class ShardedOptimizer:
                     masters.append(sp.master)
             group_dict["params"] = masters
         self.trainable = trainable
+        self.by_ds_id: Dict[int, ShardedParam] = {sp.ds_id: sp for sp in trainable}
 
     def grads(self) -> List[torch.Tensor]:
         """This window's gradient partitions (parameters that got no gradient have none)."""
@@ -72,31 +73,54 @@ class ShardedOptimizer:
 
         runtime.unbind_grad_targets([sp.ds_id for sp in self.trainable])
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm over all ranks' partitions; returns the norm."""
+    def clip_grad_norm(self, max_norm: float, spent_square: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Clip by the global L2 norm over all ranks' partitions; returns the norm.
+        ``spent_square``: squares of gradients already stepped in this window (zero/backward_step.py)."""
         device = self.params[0].shard.device if self.params else torch.device("cpu")
-        return clip_grad_norm_(self.grads(), max_norm, self.group, device)
+        return clip_grad_norm_(self.grads(), max_norm, self.group, device, spent_square)
 
-    def step(self, sub_group_size: Optional[int] = None, hooks: Optional[SubGroupHooks] = None) -> None:
+    def step(self, sub_group_size: Optional[int] = None, hooks: Optional[SubGroupHooks] = None,
+             already_stepped: Iterable[int] = ()) -> None:
         """Update the masters from this window's gradient partitions, in sub-groups of at most
         ``sub_group_size`` elements (None: all at once); each sub-group's gradient partitions are
-        dropped right after it has stepped (zero/sub_groups.py)."""
+        dropped right after it has stepped (zero/sub_groups.py). ``already_stepped``: ds ids
+        updated earlier in this window (during the backward, zero/backward_step.py)."""
         from deepcompile import runtime
 
+        done = set(already_stepped)
         # As in torch: a parameter that got no gradient in this window is not stepped.
-        stepped = [sp for sp in self.trainable if runtime.was_reduced(sp.ds_id)]
-        by_id = {sp.ds_id: sp for sp in stepped}
-        if sub_group_size is None:
-            groups = [[sp.ds_id for sp in reversed(stepped)]] if stepped else []
-        else:
-            groups = split_sub_groups([(sp.ds_id, sp.shard.numel()) for sp in stepped], sub_group_size)
+        stepped = [sp for sp in self.trainable if sp.ds_id not in done and runtime.was_reduced(sp.ds_id)]
+        groups = self._sub_groups(stepped, sub_group_size)
         self.last_sub_groups = groups
         if not groups:
             self.optimizer.step()  # nothing to update; the optimizer still counts its step
+        self._step_sub_groups(groups, hooks, unbind=len(groups) > 1)
+
+    def step_now(self, ds_ids: Sequence[int], sub_group_size: Optional[int] = None) -> torch.Tensor:
+        """Update the masters of ``ds_ids`` from their gradient partitions now (in sub-groups of
+        at most ``sub_group_size`` elements) and drop those partitions. Returns this rank's sum
+        of squares of the gradients, for the window's global norm."""
+        from deepcompile import runtime
+
+        members = [self.by_ds_id[i] for i in ds_ids]
+        device = members[0].shard.device if members else torch.device("cpu")
+        square = local_square_norm([runtime.grad_target(sp.ds_id) for sp in members], device)
+        self._step_sub_groups(self._sub_groups(members, sub_group_size), None, unbind=True)
+        return square
+
+    @staticmethod
+    def _sub_groups(members: List[ShardedParam], sub_group_size: Optional[int]) -> List[List[int]]:
+        if sub_group_size is None:
+            return [[sp.ds_id for sp in reversed(members)]] if members else []
+        return split_sub_groups([(sp.ds_id, sp.shard.numel()) for sp in members], sub_group_size)
+
+    def _step_sub_groups(self, groups: List[List[int]], hooks: Optional[SubGroupHooks], unbind: bool) -> None:
+        from deepcompile import runtime
+
         for index, ids in enumerate(groups):
             if hooks is not None:
                 hooks.before_sub_group(index, groups)
-            members = [by_id[i] for i in ids]
+            members = [self.by_ds_id[i] for i in ids]
             for sp in members:
                 grad = runtime.grad_target(sp.ds_id)
                 # A partition in the reduce dtype (bf16 with communication_data_type "bf16") meets
@@ -112,8 +136,8 @@ class ShardedOptimizer:
                         f"ZeRO-3: the optimizer replaced the storage of the master weights of {sp.name} instead of "
                         "updating them in place; deepcompile gathers parameters from that storage"
                     )
-            if len(groups) > 1:
-                # This sub-group's gradients are spent: their memory serves the next sub-groups.
+            if unbind:
+                # This sub-group's gradients are spent: their memory serves what comes next.
                 runtime.unbind_grad_targets(ids)
             if hooks is not None:
                 hooks.after_sub_group(index, groups)

@@ -72,6 +72,8 @@ class Sharding(abc.ABC):
     # Set by optimizer-state offload under ZeRO-3, which steps in sub-groups (zero/sub_groups.py):
     # called around each sub-group of the optimizer step, to stream the state through the device.
     sub_group_hooks: Optional[Any] = None
+    # compile.optimizer_step_in_backward (ZeRO-3 only): zero/backward_step.py.
+    backward_step: Optional[Any] = None
 
     def _located(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a whole master or optimizer state tensor), or the host tensor holding its values

@@ -11,6 +11,7 @@ import torch.nn as nn
 from deepcompile import compat, runtime
 from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.zero import leaf_modules
+from deepcompile.zero.backward_step import BackwardStep
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.materialize import InitFn, still_unset
@@ -56,6 +57,8 @@ class Zero3Sharding(Sharding):
         self.masters_offloadable = bool(parameter_offload_keys(config))
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
+        if config.compile.optimizer_step_in_backward:
+            self.backward_step = BackwardStep(self.optimizer, self.param_names(), self.sub_group_size)
 
     def start_backward(self, boundary: bool) -> None:
         # Gradient partitions need no preparation: the runtime allocates each at its first
@@ -64,8 +67,11 @@ class Zero3Sharding(Sharding):
 
     def step(self, gradient_clipping: float) -> torch.Tensor:
         # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
-        norm = self.optimizer.clip_grad_norm(gradient_clipping)
-        self.optimizer.step(self.sub_group_size, self.sub_group_hooks)
+        stepped, spent_square = [], None
+        if self.backward_step is not None:  # some parameters may have stepped in the backward
+            stepped, spent_square = self.backward_step.end_window(runtime.reduce_counts())
+        norm = self.optimizer.clip_grad_norm(gradient_clipping, spent_square)
+        self.optimizer.step(self.sub_group_size, self.sub_group_hooks, already_stepped=stepped)
         self.optimizer.zero_grad()
         # The master shards (the gather sources) changed in place: gathered copies (persistent
         # ones included) are stale.
@@ -108,6 +114,8 @@ class Zero3Sharding(Sharding):
 
     def close(self) -> None:
         self.eager.remove()
+        if self.backward_step is not None:
+            self.backward_step.close()
 
     # ---- sharded state ----------------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""``compile.optimizer_step_in_backward``: ZeRO-3 parameters step during the backward, as soon as
+their gradient of the window is final, and their gradient partitions are freed then
+(deepcompile/zero/backward_step.py).
+
+Each case trains the same model twice on the same batches, with the option on and off, and asserts:
+
+* the losses and the parameters are *bitwise* equal: the step over a subset is the normal step's
+  arithmetic (zero/sub_groups.py), the gradients are the same reductions, and the learning rate is
+  the same; a parameter stepped before its last gradient, or stepped twice, or read after its
+  update by the same backward, would differ;
+* both match single-process training on the same global batch (the parity suites' tolerances);
+* the global gradient norm reported by the step is the same (the early-stepped gradients count);
+* from the first window after an exact one (nothing profiled) on, every layer parameter stepped
+  in the backward and, when the backward returns, holds no gradient partition any more (what
+  lowers the memory), while the parameters outside the compiled layers (run eagerly) still do and
+  step in ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _harness import checkpointing_cases  # noqa: F401  (registers the checkpointed models)
+from _harness.checkpointing_cases import DecoderLayer
+from _harness.multiproc import run_distributed, single_world_size
+from _harness.parity_cases import GLOBAL_BATCH, RunResult, assert_parity, batch, build_model, make_optimizer, train_reference
+from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
+
+WORLD = single_world_size()
+
+
+def _config(on: bool, gas: int = 1, extra: Optional[dict] = None) -> dict:
+    return {"zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0},
+            "gradient_accumulation_steps": gas,
+            # Window 0 is profiled (plan for step 1), window 1 is the first exact one: from window
+            # 2 on, parameters step in the backward.
+            "compile": {"warmup_steps": 1, "selective_gather": False, "optimizer_step_in_backward": on,
+                        **(extra or {})}}
+
+
+def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: int):
+    import deepcompile
+    from deepcompile import runtime
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(name, device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(on, gas))
+    engine.compile(backend=backend, regional=regional)
+    names = engine.sharding.param_names()
+    layer_ids = {i for i, n in names.items() if ".layers." in f".{n}"}
+    n = GLOBAL_BATCH // world
+    losses: List[float] = []
+    norms: List[float] = []
+    stepped_early: List[set] = []
+    for step in range(steps):
+        a, b = batch(name, step, device=ctx.device)
+        loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        if on and boundary and step // gas >= 2:
+            held = sorted(names[i] for i in layer_ids if runtime.holds_grad_target(i))
+            assert not held, f"step {step}: layer gradients still held after the backward: {held}"
+            outside = [i for i in names if i not in layer_ids]
+            assert outside and all(runtime.holds_grad_target(i) for i in outside), \
+                f"step {step}: the eager parameters' gradients should wait for engine.step()"
+        engine.step()
+        if boundary:
+            norms.append(engine.get_global_grad_norm())
+            if on:
+                stepped_early.append(set(engine.sharding.backward_step.stepped_last_window))
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if on:
+        windows = steps // gas
+        assert stepped_early[:2] == [set(), set()], "the first two windows (profiled, then learning) step as before"
+        assert all(s == layer_ids for s in stepped_early[2:]) and windows > 2, \
+            f"expected every layer parameter stepped in the backward from window 2 on: {stepped_early}"
+    result = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    engine.destroy()
+    return result, norms
+
+
+def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1):
+    on, on_norms = _train(ctx, name, backend, regional, True, steps, gas)
+    off, off_norms = _train(ctx, name, backend, regional, False, steps, gas)
+    assert on.losses == off.losses, f"losses differ: {on.losses} vs {off.losses}"
+    for key, value in off.params.items():
+        assert torch.equal(on.params[key], value), f"{key} differs from the run with the step after the backward"
+    torch.testing.assert_close(torch.tensor(on_norms), torch.tensor(off_norms), rtol=1e-6, atol=0)
+    ref = train_reference(name, steps, gas=gas, device=ctx.device)
+    assert_parity(on, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
+
+
+@pytest.mark.parametrize("name,backend", [("decoder_ckpt", "eager"), ("decoder", "eager"),
+                                          ("decoder_ckpt_reentrant", "inductor")])
+def test_step_in_backward_checkpointed_decoder(dist_world_size, name, backend):
+    run_distributed(_body, dist_world_size, args=(name, backend, [DecoderLayer]), timeout=600)
+
+
+def test_step_in_backward_gradient_accumulation(dist_world_size):
+    """Two micro-steps per window: parameters step only in the last micro-step's backward, after
+    both reductions."""
+    run_distributed(_body, dist_world_size, args=("decoder_ckpt", "eager", [DecoderLayer]),
+                    kwargs={"steps": 8, "gas": 2}, timeout=600)
+
+
+def test_step_in_backward_transformers_llama_checkpointed():
+    """transformers' LlamaForCausalLM with ``gradient_checkpointing_enable()``, each decoder layer
+    compiled by Inductor on its own (``regional=True``)."""
+    run_distributed(_body, WORLD, args=("llama_ckpt", "inductor", True), timeout=900)
+
+
+# ---- a parameter used more often than in the windows it was learned from -----------------------
+
+
+class GrowingUse(nn.Module):
+    """Input projection, two decoder layers, head; from ``extra_from`` on, layer 0 runs twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 7)
+        self.layers = nn.ModuleList([DecoderLayer() for _ in range(2)])
+        self.head = nn.Linear(7, 5)
+        self.repeat_first = False
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        if self.repeat_first:
+            h = self.layers[0](h)
+        for layer in self.layers:
+            h = layer(h)
+        return ((self.head(h) - y) ** 2).mean()
+
+
+def _growing_body(ctx):
+    import deepcompile
+    from deepcompile.zero.backward_step import StepInBackwardError
+
+    torch.manual_seed(0)
+    model = GrowingUse()
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(True))
+    engine.compile(backend="eager", regional=[DecoderLayer])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = GLOBAL_BATCH // world
+    for step in range(4):
+        a, b = batch("decoder", step, device=ctx.device)
+        model.repeat_first = step == 3  # windows 0-2 learn one use of layer 0; window 3 has two
+        loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
+        if step < 3:
+            engine.backward(loss)
+            engine.step()
+            continue
+        with pytest.raises(StepInBackwardError, match=r"received a gradient after their optimizer step in this window: layers\.0\."):
+            engine.backward(loss)
+    engine.destroy()
+
+
+def test_step_in_backward_refuses_a_gradient_after_the_step(dist_world_size):
+    """Stepped after its one learned reduction, layer 0 then gets a second gradient: the error
+    names it instead of training on a partial gradient."""
+    run_distributed(_growing_body, dist_world_size, timeout=600)
+
+
+# ---- refused combinations ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"zero_optimization": {"stage": 2}}, "built for ZeRO-3"),
+    ({"gradient_clipping": 1.0}, "clipping scales every gradient"),
+    ({"compile": {"offload_opt_states": True}}, "compile.offload_opt_states"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
+])
+def test_step_in_backward_refused_with(change, expected):
+    from deepcompile.config import Config, ConfigError
+
+    config = {"zero_optimization": {"stage": 3}, "compile": {"optimizer_step_in_backward": True}}
+    for section, values in change.items():
+        config[section] = {**config[section], **values} if isinstance(values, dict) else values
+    with pytest.raises(ConfigError, match=expected):
+        Config.from_dict(config)
+    config["compile"]["optimizer_step_in_backward"] = False
+    Config.from_dict(config)  # the same settings are fine without it
