@@ -64,6 +64,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--stages", default="3,1", help="comma list of ZeRO stages (default: 3,1)")
     p.add_argument("--reentrant", action="store_true",
                    help="also a row per stage with gradient_checkpointing_kwargs={'use_reentrant': True}")
+    p.add_argument("--regional", action="store_true",
+                   help="engine.compile(regional=True): each decoder layer compiled on its own (the per-layer "
+                        "backward graphs compile.optimizer_step_in_backward steps after)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (>= 2: compile, then the counting step)")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--markdown", metavar="PATH", help="also append the block to PATH")
@@ -205,10 +208,12 @@ def building_models(checkpoint_kwargs: Optional[dict], built: List[torch.nn.Modu
 class Variant:
     stage: int
     checkpointing: Optional[str]  # None, "non-reentrant" or "reentrant"
+    regional: bool = False  # engine.compile(regional=True)
 
     @property
     def label(self) -> str:
-        return f"ZeRO-{self.stage}" + (f", checkpointed ({self.checkpointing})" if self.checkpointing else "")
+        return (f"ZeRO-{self.stage}" + (", per layer" if self.regional else "")
+                + (f", checkpointed ({self.checkpointing})" if self.checkpointing else ""))
 
 
 def variant_method(variant: Variant, counting_step: int, saved: Dict[str, int]) -> tb.Method:
@@ -219,7 +224,7 @@ def variant_method(variant: Variant, counting_step: int, saved: Dict[str, int]) 
         kwargs = {"use_reentrant": variant.checkpointing == "reentrant"} if variant.checkpointing else None
         built: List[torch.nn.Module] = []
         with building_models(kwargs, built):
-            runner = tb.deepcompile_runner(ctx, stage=variant.stage)
+            runner = tb.deepcompile_runner(ctx, stage=variant.stage, regional=variant.regional)
         calls = [0]
 
         def step(tokens):
@@ -359,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: List[Result] = []
     for stage in own.stages:
         for mode in modes:
-            variant = Variant(stage, mode)
+            variant = Variant(stage, mode, regional=own.regional)
             saved: Dict[str, int] = {}
             method = variant_method(variant, counting_step=own.warmup - 1, saved=saved)
             if rank == 0:

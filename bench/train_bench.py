@@ -176,6 +176,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--communication-data-type", choices=["fp32", "bf16"], default=None,
                    help="deepcompile communication_data_type: gradients are reduced in this dtype and, under "
                         "ZeRO-3, their partitions kept in it (default: the library's, fp32)")
+    p.add_argument("--optimizer-step-in-backward", action="store_true",
+                   help="deepcompile ZeRO-3 compile.optimizer_step_in_backward: parameters step during the backward "
+                        "as their gradients become final, freeing their gradient partitions (per-layer graphs: "
+                        "regional compilation)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
@@ -427,6 +431,8 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
         config["zero_optimization"]["sub_group_size"] = int(ctx.args.sub_group_size)
     if ctx.args.communication_data_type is not None:
         config["communication_data_type"] = ctx.args.communication_data_type
+    if ctx.args.optimizer_step_in_backward and stage == 3:
+        config["compile"]["optimizer_step_in_backward"] = True
     for section, values in offload_config(ctx.args, offload, budget_bytes).items():
         config[section].update(values)
     init = dict(init_fn=model._init_weights, device=ctx.device) if meta else {}
@@ -458,7 +464,12 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
         # ZeRO-3 parameters used outside the compiled graphs (graph breaks) are gathered by
         # module hooks, unscheduled: correct but slower. Say so rather than hide it in the time.
         eager = engine.eagerly_gathered_params() if stage == 3 else []
-        notes = [f"{len(eager)} parameters gathered eagerly (graph breaks)"] if eager else []
+        what = "outside the compiled layers" if regional else "(graph breaks)"
+        notes = [f"{len(eager)} parameters gathered eagerly {what}"] if eager else []
+        step_in_backward = engine.sharding.backward_step
+        if step_in_backward is not None:  # compile.optimizer_step_in_backward: how much it took on
+            notes.append(f"{len(step_in_backward.stepped_last_window)} of {len(step_in_backward.trainable)} "
+                         "parameters stepped in the last backward")
         if getattr(engine, "offload", None) is not None:
             notes.append(offload_note(engine.offload.report()))
         if offload != "none":
@@ -919,7 +930,9 @@ def environment(ctx: Context, pcie: Optional[Dict[str, float]] = None) -> Dict[s
         "deepcompile": (f"reduce_bucket_size {a.reduce_bucket_size:,}, "
                         f"stage3_param_persistence_threshold {a.persistence_threshold:,}"
                         + (f", communication_data_type {a.communication_data_type}"
-                           if a.communication_data_type else "")),
+                           if a.communication_data_type else "")
+                        + (f", sub_group_size {a.sub_group_size:.0e}" if a.sub_group_size else "")
+                        + (", optimizer_step_in_backward" if a.optimizer_step_in_backward else "")),
         "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
         "init": {"device": "built on the device in the training dtype",
                  "meta": "built on meta; deepcompile.initialize(init_fn=, device=) / FSDP2 to_empty + init"}[a.init],

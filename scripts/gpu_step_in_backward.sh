@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU-machine call for compile.optimizer_step_in_backward (issue 16 part 3): build, then
+# bench/checkpointing_memory.py on the ~1B Llama (micro-batch 8, bf16 gradient partitions,
+# sub-group step, each decoder layer compiled on its own), without and with the option, side by
+# side on two GPUs when there are two (each run on one GPU: per-device peaks), then the tests of
+# tests/test_step_in_backward.py over NCCL at every world size the GPUs allow. Logs under $OUT:
+# regional.md / regional.json (option off), sib.md / sib.json (option on), bench-*.log, pytest.log.
+#
+#   OUT=... bash scripts/gpu_step_in_backward.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_prelude.sh"
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  echo "source digest $(bash scripts/source_digest.sh)"
+} 2>&1 | tee "$OUT/env.txt"
+
+gpu_build
+echo "built at $(elapsed) s"
+
+gpus=$(nvidia-smi -L | wc -l)
+ARGS="--stages 3 --micro-batch 8 --sub-group-size 1e8 --communication-data-type bf16 --regional --warmup 3 ${SIB_ARGS:-}"
+bench() {  # $1: name, $2: GPU, rest: extra options
+  local name=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 \
+    bench/checkpointing_memory.py $ARGS "$@" --markdown "$OUT/$name.md" --json "$OUT/$name.json" \
+    > "$OUT/bench-$name.log" 2>&1
+  echo "bench $name rc=$? at $(elapsed) s"
+}
+if [ "$gpus" -ge 2 ]; then
+  bench regional 0 & bench sib 1 --optimizer-step-in-backward & wait
+else
+  bench regional 0; bench sib 0 --optimizer-step-in-backward
+fi
+for name in regional sib; do sed -n '/^| run /,$p' "$OUT/bench-$name.log" | head -12; done
+
+left=$(( ${CALL_BUDGET:-570} - $(elapsed) ))
+sizes=1; [ "$gpus" -ge 2 ] && sizes=1,2
+if [ "$left" -gt 60 ]; then
+  DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=$sizes timeout "$(( left - 5 ))" python3 -m pytest -q -rs \
+    tests/test_step_in_backward.py tests/test_sub_groups.py --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? at $(elapsed) s"; tail -8 "$OUT/pytest.log"
+else
+  echo "tests skipped: ${left} s left"
+fi
