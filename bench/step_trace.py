@@ -196,6 +196,26 @@ def generated_kernel_line(kernels: List[Tuple[str, float, float]], steps: int) -
             f"{sum(e - s for s, e in generated) / 1e3 / per:.1f} ms/step")
 
 
+def record_memory_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor],
+                        sync: Callable[[], None], path: str, write: bool) -> None:
+    """The steps under the allocator's history alone (no ``torch.profiler``: lighter, and some
+    steps fail under the profiler, NOTES.md), written to ``path`` + ``.memory.pickle.gz``."""
+    sync()
+    record = torch.cuda.is_available() and write
+    if record:
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        for tokens in batches:
+            step(tokens)
+        sync()
+        if record:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _write_gzipped(path + ".memory.pickle", torch.cuda.memory._dump_snapshot)
+    finally:
+        if record:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor], sync: Callable[[], None],
                 path: str, title: str, write: bool, record_memory: bool = True) -> Optional[Dict[str, float]]:
     """Profile the steps; on the writing rank, write the summary and return ``transfer_summary``."""

@@ -196,6 +196,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace", metavar="DIR", help="after the measured steps, profile --trace-steps more with "
                    "torch.profiler and write a text summary per method to DIR/<method>.txt (rank 0)")
     p.add_argument("--trace-steps", type=int, default=2)
+    p.add_argument("--memory-history", metavar="DIR",
+                   help="after the measured steps, one more step under the allocator's history only (no profiler), "
+                        "written to DIR/<method key>.memory.pickle.gz for bench/memory_peak.py")
     p.add_argument("--trace-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="--trace also records the allocator's history with Python stacks (default on; off in the "
                         "7b preset: slow and large for a 7B step)")
@@ -719,6 +722,11 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
             m.transfers = trace_steps(runner.step, ctx.batches[: ctx.args.trace_steps], lambda: sync(ctx),
                                       os.path.join(ctx.args.trace, f"{method.key}.txt"), method.name,
                                       write=ctx.rank == 0, record_memory=ctx.args.trace_memory)
+        if ctx.args.memory_history:
+            from step_trace import record_memory_steps
+
+            record_memory_steps(runner.step, ctx.batches[:1], lambda: sync(ctx),
+                                os.path.join(ctx.args.memory_history, method.key), write=ctx.rank == 0)
         m.loss = loss.detach().float().item()
         m.note = runner.note()
         if ctx.is_cuda:
