@@ -197,13 +197,18 @@ def generated_kernel_line(kernels: List[Tuple[str, float, float]], steps: int) -
 
 
 def record_memory_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor],
-                        sync: Callable[[], None], path: str, write: bool) -> None:
-    """The steps under the allocator's history alone (no ``torch.profiler``: lighter, and some
-    steps fail under the profiler, NOTES.md), written to ``path`` + ``.memory.pickle.gz``."""
+                        sync: Callable[[], None], path: str, write: bool, stacks: str = "python") -> None:
+    """The steps under the allocator's history alone (no ``torch.profiler``), written to ``path``
+    + ``.memory.pickle.gz``. ``stacks``: "python", "all" (Python and C++) or "none" (sizes and
+    order only: Python stacks make the recompute of a compiled region inside checkpoint fail,
+    NOTES.md)."""
     sync()
     record = torch.cuda.is_available() and write
     if record:
-        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+        if stacks == "none":
+            torch.cuda.memory._record_memory_history(max_entries=200_000, context=None)
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks=stacks)
     try:
         for tokens in batches:
             step(tokens)

@@ -199,6 +199,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--memory-history", metavar="DIR",
                    help="after the measured steps, one more step under the allocator's history only (no profiler), "
                         "written to DIR/<method key>.memory.pickle.gz for bench/memory_peak.py")
+    p.add_argument("--memory-history-stacks", choices=["python", "all", "none"], default="python",
+                   help="what --memory-history records with each allocation (default python)")
     p.add_argument("--trace-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="--trace also records the allocator's history with Python stacks (default on; off in the "
                         "7b preset: slow and large for a 7B step)")
@@ -726,7 +728,8 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
             from step_trace import record_memory_steps
 
             record_memory_steps(runner.step, ctx.batches[:1], lambda: sync(ctx),
-                                os.path.join(ctx.args.memory_history, method.key), write=ctx.rank == 0)
+                                os.path.join(ctx.args.memory_history, method.key), write=ctx.rank == 0,
+                                stacks=ctx.args.memory_history_stacks)
         m.loss = loss.detach().float().item()
         m.note = runner.note()
         if ctx.is_cuda:

@@ -27,7 +27,7 @@ gpus=$(nvidia-smi -L | wc -l)
 ARGS="--stages 3 --micro-batch 8 --sub-group-size 1e8 --communication-data-type bf16 --regional --warmup 3 ${SIB_ARGS:-}"
 bench() {  # $1: name, $2: GPU, rest: extra options
   local name=$1 gpu=$2; shift 2
-  local trace=""; [ "${TRACE:-0}" = 1 ] && trace="--memory-history /tmp/traces-$name"
+  local trace=""; [ "${TRACE:-0}" = 1 ] && trace="--memory-history /tmp/traces-$name --memory-history-stacks ${STACKS:-python}"
   CUDA_VISIBLE_DEVICES=$gpu timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 \
     bench/checkpointing_memory.py $ARGS $trace "$@" --json "$OUT/$name.json" > "$OUT/bench-$name.log" 2>&1
   echo "bench $name rc=$? at $(elapsed) s"
