@@ -180,9 +180,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="deepcompile ZeRO-3 compile.optimizer_step_in_backward: parameters step during the backward "
                         "as their gradients become final, freeing their gradient partitions (per-layer graphs: "
                         "regional compilation)")
-    p.add_argument("--max-released-bytes-in-flight", type=int, default=0,
-                   help="deepcompile ZeRO-3 compile.max_released_bytes_in_flight: bytes of released gathered "
-                        "parameters the device may still be reading before a release waits for it (0: no limit)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
@@ -441,8 +438,6 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
         config["communication_data_type"] = ctx.args.communication_data_type
     if ctx.args.optimizer_step_in_backward and stage == 3:
         config["compile"]["optimizer_step_in_backward"] = True
-    if ctx.args.max_released_bytes_in_flight:
-        config["compile"]["max_released_bytes_in_flight"] = ctx.args.max_released_bytes_in_flight
     for section, values in offload_config(ctx.args, offload, budget_bytes).items():
         config[section].update(values)
     init = dict(init_fn=model._init_weights, device=ctx.device) if meta else {}
@@ -948,9 +943,7 @@ def environment(ctx: Context, pcie: Optional[Dict[str, float]] = None) -> Dict[s
                         + (f", communication_data_type {a.communication_data_type}"
                            if a.communication_data_type else "")
                         + (f", sub_group_size {a.sub_group_size:.0e}" if a.sub_group_size else "")
-                        + (", optimizer_step_in_backward" if a.optimizer_step_in_backward else "")
-                        + (f", max_released_bytes_in_flight {a.max_released_bytes_in_flight:,}"
-                           if a.max_released_bytes_in_flight else "")),
+                        + (", optimizer_step_in_backward" if a.optimizer_step_in_backward else "")),
         "FLOPs/token": f"{flops_per_token(a, ctx.n_params) / 1e9:.3f} G (6 N + 12 L H S)",
         "init": {"device": "built on the device in the training dtype",
                  "meta": "built on meta; deepcompile.initialize(init_fn=, device=) / FSDP2 to_empty + init"}[a.init],

@@ -115,8 +115,6 @@ PYBIND11_MODULE(_C, m) {
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
   }, py::call_guard<py::gil_scoped_release>());
   m.def("graph_param_ids", [](int64_t graph_id) { return currentRuntime().executor(graph_id, "graph_param_ids").ids(); });
-  m.def("set_release_limit", [](int64_t bytes) { currentRuntime().lanes().setReleaseLimit(bytes); },
-        py::call_guard<py::gil_scoped_release>());
   m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
   m.def("set_host_shard", [](int64_t id, std::optional<at::Tensor> host) { currentRuntime().setHostShard(id, host); },
         py::call_guard<py::gil_scoped_release>());

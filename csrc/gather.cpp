@@ -115,11 +115,9 @@ void freeGathered(Lanes& lanes, Z3Layout& p) {
     // not hand the block out before those kernels ran.
     if (p.gather_done && lanes.device().is_cpu()) p.gather_done->hostWait();
     lanes.recordStream(p.gathered, lanes.computeStream());
-    const int64_t bytes = static_cast<int64_t>(p.gathered.storage().nbytes());
     // Free the storage itself, not just this handle: views handed to the graph share it and
     // would otherwise keep the padded buffer alive.
     p.gathered.storage().unsafeGetStorageImpl()->reset();
-    lanes.noteRelease(bytes);
   }
   p.gathered = at::Tensor();
   p.valid = false;

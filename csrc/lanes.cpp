@@ -77,40 +77,14 @@ class DeviceLanes final : public Lanes {
       guard_.recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
     }
   }
-  void noteRelease(int64_t bytes) override {
-    if (releases_.limit() > 0 && bytes > 0) releases_.note(std::make_shared<EventCompletion>(computeStream()), bytes);
-  }
-  void setReleaseLimit(int64_t bytes) override { releases_.setLimit(bytes); }
 
  private:
   c10::Device device_;
   c10::impl::VirtualGuardImpl guard_;
   std::vector<c10::Stream> streams_;
-  ReleaseWindow releases_;
 };
 
 }  // namespace
-
-void ReleaseWindow::setLimit(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0, "deepcompile: the release limit must be a non-negative number of bytes, got ", bytes);
-  limit_ = bytes;
-  if (limit_ == 0) {
-    entries_.clear();
-    pending_bytes_ = 0;
-  }
-}
-
-void ReleaseWindow::note(CompletionPtr released_after, int64_t bytes) {
-  if (limit_ <= 0) return;
-  entries_.emplace_back(std::move(released_after), bytes);
-  pending_bytes_ += bytes;
-  // The newest release stays: waiting for it would serialize host and device completely.
-  while (pending_bytes_ > limit_ && entries_.size() > 1) {
-    entries_.front().first->hostWait();
-    pending_bytes_ -= entries_.front().second;
-    entries_.pop_front();
-  }
-}
 
 CompletionPtr readyCompletion() {
   static const CompletionPtr ready = std::make_shared<ReadyCompletion>();

@@ -618,10 +618,6 @@ class CompileConfig(_Section):
         "gradient is final, and free its gradient partition then (deepcompile/zero/backward_step.py); with "
         "engine.compile(regional=True) a backward holds about one layer's gradients at a time. Needs no "
         "gradient_clipping and no optimizer-state or parameter offload.")
-    max_released_bytes_in_flight: int = _key(
-        _integer(0), 0, "ZeRO-3: bytes of released gathered parameters that the device may still be reading "
-        "(the host ran ahead); beyond it a release waits for the device, which caps the memory the allocator "
-        "holds for them. 0: no limit (the default).")
     report_dir: Optional[str] = _key(_optional(_string), None, "Directory for graph/profile reports, or null.")
     sync_before_reduce: bool = _key(_bool, False, "Debug: device sync before each reduce.")
     sync_after_reduce: bool = _key(_bool, False, "Debug: device sync after each reduce.")

@@ -74,7 +74,6 @@ class Engine:
         optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
-        runtime.set_release_limit(config.compile.max_released_bytes_in_flight)
         # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
         # holds its shards plus one module's parameters at a time) and partitions it.
         self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group, self.device, init_fn)

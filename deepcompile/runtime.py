@@ -59,7 +59,6 @@ __all__ = [
     "reduce_bucket_numel",
     "holds_grad_target",
     "was_reduced",
-    "set_release_limit",
     "reduce_counts",
     "world_size",
     "rank",
@@ -261,12 +260,6 @@ def register_graph(graph_id: int, ds_ids: Sequence[int], stage: int) -> None:
 def graph_param_ids(graph_id: int) -> List[int]:
     """The ds ids ``graph_id`` was registered with, in slot order (the slot overloads' lookup)."""
     return list(_C.graph_param_ids(int(graph_id)))
-
-
-def set_release_limit(nbytes: int) -> None:
-    """Bound the gathered buffers released while the device may still read them (bytes, 0: no
-    bound): beyond it, a release waits for the device (csrc ReleaseWindow; no effect on CPU)."""
-    _C.set_release_limit(int(nbytes))
 
 
 def set_persistent(ds_id: int, persistent: bool = True) -> None:

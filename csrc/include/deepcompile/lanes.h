@@ -10,8 +10,6 @@
 #include <deepcompile/common.h>
 
 #include <array>
-#include <deque>
-#include <utility>
 
 namespace deepcompile {
 
@@ -34,34 +32,6 @@ class Lanes {
   virtual void synchronizeDevice() = 0;
   // Tell the caching allocator that `tensor` is used on `stream` (no-op on CPU).
   virtual void recordStream(const at::Tensor& tensor, const c10::Stream& stream) = 0;
-
-  // A gathered buffer of `bytes` was released after the compute stream's work queued so far
-  // (which may still read it). With a limit set, the host then waits for the device when the
-  // buffers released but possibly still in use exceed it (ReleaseWindow). No-op by default.
-  virtual void noteRelease(int64_t /*bytes*/) {}
-  // The limit in bytes (0: none, the default).
-  virtual void setReleaseLimit(int64_t /*bytes*/) {}
-};
-
-// Caps how far the host runs ahead of the device in releasing gathered buffers. A released
-// buffer is `record_stream`-ed for the compute stream, and the caching allocator counts it until
-// the kernels queued before the release have run. So the more the host leads, the more released
-// memory is still held, and the higher the peak. The window keeps the completions of the last
-// releases; when their bytes exceed the limit, the host waits for the oldest ones (FSDP1's
-// limit_all_gathers bounds the same lead by counting all-gathers in flight).
-class ReleaseWindow {
- public:
-  void setLimit(int64_t bytes);
-  int64_t limit() const { return limit_; }
-  // Adds a release; waits on the oldest completions while the window holds more than the limit.
-  void note(CompletionPtr released_after, int64_t bytes);
-  int64_t pendingBytes() const { return pending_bytes_; }
-  size_t size() const { return entries_.size(); }
-
- private:
-  int64_t limit_ = 0;
-  int64_t pending_bytes_ = 0;
-  std::deque<std::pair<CompletionPtr, int64_t>> entries_;
 };
 
 // Lanes on the host: work runs synchronously on the caller, so lane bookkeeping is trivial and
