@@ -222,6 +222,58 @@ class Variant:
                 + (f", checkpointed ({self.checkpointing})" if self.checkpointing else ""))
 
 
+class PhasePeaks:
+    """Where a step's peak falls, without an allocator history (which slows the host and so moves
+    the peak; with Python stacks it also breaks checkpointed per-layer runs, NOTES.md): the
+    running ``max_memory_allocated`` read where the engine's backward starts (the forward is
+    done), where it returns, and where the optimizer step returns. The first reading that reaches
+    the run's peak names the phase that set it."""
+
+    PHASES = ("forward", "backward", "optimizer step")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.readings: List[Tuple[int, str, int]] = []  # (step index, phase, running max)
+        self.step_index = -1
+
+    def _read(self, phase: str) -> None:
+        self.readings.append((self.step_index, phase, torch.cuda.max_memory_allocated(self.device)))
+
+    @contextlib.contextmanager
+    def watching(self, step_index: int):
+        from deepcompile.engine import Engine
+
+        self.step_index = step_index
+        backward, step = Engine.backward, Engine.step
+
+        def watched_backward(engine, *args, **kwargs):
+            self._read("forward")
+            out = backward(engine, *args, **kwargs)
+            self._read("backward")
+            return out
+
+        def watched_step(engine, *args, **kwargs):
+            out = step(engine, *args, **kwargs)
+            self._read("optimizer step")
+            return out
+
+        Engine.backward, Engine.step = watched_backward, watched_step
+        try:
+            yield
+        finally:
+            Engine.backward, Engine.step = backward, step
+
+    def where(self, first_step: int) -> Optional[str]:
+        """The phase (and measured step) whose end first saw the peak of the steps from
+        ``first_step`` on."""
+        mine = [r for r in self.readings if r[0] >= first_step]
+        if not mine:
+            return None
+        top = max(value for _, _, value in mine)
+        index, phase, _ = next(r for r in mine if r[2] == top)
+        return f"peak set in the {phase} of measured step {index - first_step + 1}"
+
+
 def variant_method(variant: Variant, counting_step: int, saved: Dict[str, int]) -> tb.Method:
     """A train_bench Method whose runner counts what the compiled forward saves at step
     ``counting_step`` (a warm-up step: train_bench resets the peak after the warm-up)."""
@@ -232,10 +284,14 @@ def variant_method(variant: Variant, counting_step: int, saved: Dict[str, int]) 
         with building_models(kwargs, built):
             runner = tb.deepcompile_runner(ctx, stage=variant.stage, regional=variant.regional)
         calls = [0]
+        phases = PhasePeaks(ctx.device) if ctx.is_cuda else None
 
         def step(tokens):
             index = calls[0]
             calls[0] += 1
+            if index > counting_step and phases is not None:  # the measured steps (peak reset before them)
+                with phases.watching(index):
+                    return runner.step(tokens)
             if index != counting_step:
                 return runner.step(tokens)
             # Parameters excluded: ZeRO-1/2 save the module's weights themselves; under ZeRO-3 they
@@ -250,7 +306,11 @@ def variant_method(variant: Variant, counting_step: int, saved: Dict[str, int]) 
             built.clear()  # the next row must not find this model still alive
             runner.close()
 
-        return tb.Runner(step, close=close, note=runner.note)
+        def note() -> str:
+            where = phases.where(counting_step + 1) if phases is not None else None
+            return "; ".join(n for n in (runner.note(), where) if n)
+
+        return tb.Runner(step, close=close, note=note)
 
     return tb.Method(variant.label, build, key=f"z{variant.stage}-{variant.checkpointing or 'plain'}")
 
