@@ -34,8 +34,8 @@ from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 WORLD = single_world_size()
 
 
-def _config(on: bool, gas: int = 1, extra: Optional[dict] = None) -> dict:
-    return {"zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0},
+def _config(on: bool, gas: int = 1, extra: Optional[dict] = None, persistence: int = 0) -> dict:
+    return {"zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": persistence},
             "gradient_accumulation_steps": gas,
             # Window 0 is profiled (plan for step 1), window 1 is the first exact one: from window
             # 2 on, parameters step in the backward.
@@ -43,14 +43,15 @@ def _config(on: bool, gas: int = 1, extra: Optional[dict] = None) -> dict:
                         **(extra or {})}}
 
 
-def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: int):
+def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: int, extra: Optional[dict] = None,
+           persistence: int = 0):
     import deepcompile
     from deepcompile import runtime
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, device=ctx.device)
-    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(on, gas))
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(on, gas, extra, persistence))
     engine.compile(backend=backend, regional=regional)
     names = engine.sharding.param_names()
     layer_ids = {i for i, n in names.items() if ".layers." in f".{n}"}
@@ -87,9 +88,10 @@ def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: in
     return result, norms
 
 
-def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1):
-    on, on_norms = _train(ctx, name, backend, regional, True, steps, gas)
-    off, off_norms = _train(ctx, name, backend, regional, False, steps, gas)
+def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1, extra: Optional[dict] = None,
+          persistence: int = 0):
+    on, on_norms = _train(ctx, name, backend, regional, True, steps, gas, extra, persistence)
+    off, off_norms = _train(ctx, name, backend, regional, False, steps, gas, extra, persistence)
     assert on.losses == off.losses, f"losses differ: {on.losses} vs {off.losses}"
     for key, value in off.params.items():
         assert torch.equal(on.params[key], value), f"{key} differs from the run with the step after the backward"
@@ -106,9 +108,18 @@ def test_step_in_backward_checkpointed_decoder(dist_world_size, name, backend):
 
 def test_step_in_backward_gradient_accumulation(dist_world_size):
     """Two micro-steps per window: parameters step only in the last micro-step's backward, after
-    both reductions."""
+    both reductions; with compile.debug_checks (the ledger and finite checks of the gradients
+    stepped early) on."""
     run_distributed(_body, dist_world_size, args=("decoder_ckpt", "eager", [DecoderLayer]),
-                    kwargs={"steps": 8, "gas": 2}, timeout=600)
+                    kwargs={"steps": 8, "gas": 2, "extra": {"debug_checks": True}}, timeout=600)
+
+
+def test_step_in_backward_with_prefetch_and_persistent_parameters(dist_world_size):
+    """Parameters below the persistence threshold (norms, biases) stay gathered between steps,
+    and after the profiled window the plan prefetches and keeps more gathered: a parameter that
+    steps in the backward must not be read from a stale gathered copy by the next forward."""
+    run_distributed(_body, dist_world_size, args=("decoder_ckpt", "inductor", [DecoderLayer]),
+                    kwargs={"steps": 6, "extra": {"selective_gather": True}, "persistence": 20}, timeout=600)
 
 
 def test_step_in_backward_transformers_llama_checkpointed():

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from deepcompile import runtime
+from deepcompile import debug_checks, runtime
 from deepcompile.zero.optimizer import ShardedOptimizer
 
 
@@ -84,6 +84,9 @@ class BackwardStep:
                  if i in self.trainable and i not in self._stepped and counts.get(i, 0) == self.final_count.get(i)]
         if not ready:
             return
+        if debug_checks.LEDGER is not None:  # compile.debug_checks: engine.step() will not see these
+            debug_checks.check_finite("reduced gradients", {self.names.get(i, str(i)): runtime.grad_target(i)
+                                                            for i in ready})
         square = self.optimizer.step_now(ready, self.sub_group_size)
         self._spent_square = square if self._spent_square is None else self._spent_square + square
         for i in ready:
