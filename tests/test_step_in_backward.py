@@ -122,10 +122,13 @@ def test_step_in_backward_with_prefetch_and_persistent_parameters(dist_world_siz
                     kwargs={"steps": 6, "extra": {"selective_gather": True}, "persistence": 20}, timeout=600)
 
 
-def test_step_in_backward_transformers_llama_checkpointed():
-    """transformers' LlamaForCausalLM with ``gradient_checkpointing_enable()``, each decoder layer
-    compiled by Inductor on its own (``regional=True``)."""
-    run_distributed(_body, WORLD, args=("llama_ckpt", "inductor", True), timeout=900)
+@pytest.mark.parametrize("name,backend", [("llama_ckpt", "inductor"), ("qwen2_moe", "eager")])
+def test_step_in_backward_transformers(name, backend):
+    """transformers models, each decoder layer compiled on its own (``regional=True``):
+    LlamaForCausalLM with ``gradient_checkpointing_enable()`` under Inductor, and Qwen2-MoE, whose
+    router sends tokens to different experts in every step (every expert of a layer graph is
+    still reduced once per micro-step, so every layer parameter steps in the backward)."""
+    run_distributed(_body, WORLD, args=(name, backend, True), timeout=900)
 
 
 # ---- a parameter used more often than in the windows it was learned from -----------------------
