@@ -182,6 +182,35 @@ def test_step_in_backward_refuses_a_gradient_after_the_step(dist_world_size):
     run_distributed(_growing_body, dist_world_size, timeout=600)
 
 
+def _uncompiled_body(ctx):
+    import warnings
+
+    import deepcompile
+
+    model = build_model("decoder", device=ctx.device)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(True))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = GLOBAL_BATCH // world
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            a, b = batch("decoder", step, device=ctx.device)
+            engine.backward(engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n]))
+            engine.step()
+    said = [str(w.message) for w in caught if "optimizer_step_in_backward" in str(w.message)]
+    # Window 0 learns the counts; window 1 is armed and no graph ran: one warning, on rank 0.
+    assert len(said) == (1 if rank == 0 else 0), said
+    assert all("no compiled backward graph ran" in m for m in said), said
+    assert engine.sharding.backward_step.stepped_last_window == []
+    engine.destroy()
+
+
+def test_step_in_backward_says_when_nothing_is_compiled(dist_world_size):
+    """Without engine.compile() there is no graph to step after: training is unchanged and the
+    option says so once, instead of being accepted without effect."""
+    run_distributed(_uncompiled_body, dist_world_size, timeout=600)
+
+
 # ---- refused combinations ---------------------------------------------------------------------
 
 

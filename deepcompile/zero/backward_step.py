@@ -38,9 +38,11 @@ that names it, rather than a silently wrong update.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from deepcompile import debug_checks, runtime
 from deepcompile.zero.optimizer import ShardedOptimizer
@@ -65,6 +67,8 @@ class BackwardStep:
         self._stepped: Dict[int, int] = {}  # ds id -> its reduction count when it stepped, this window
         self._spent_square: Optional[torch.Tensor] = None
         self.stepped_last_window: List[int] = []  # ds ids stepped in the backward, for reports and tests
+        self._graph_ran = False  # a compiled backward graph reported to an armed window
+        self._warned = False
 
     def begin_backward(self, boundary: bool, profiled: bool) -> None:
         """Before each micro-step's backward. ``profiled``: the schedule driver runs this
@@ -78,6 +82,7 @@ class BackwardStep:
         is now final."""
         if not self.armed:
             return
+        self._graph_ran = True
         counts = runtime.reduce_counts()
         self._check_not_late(ds_ids, counts)
         ready = [i for i in dict.fromkeys(ds_ids)
@@ -98,6 +103,8 @@ class BackwardStep:
         none of them received a gradient after it stepped, and learns from an exact window."""
         try:
             self._check_not_late(list(self._stepped), counts)
+            if self.armed and not self._graph_ran:
+                self._warn_no_graphs()
             if self._window_exact:
                 for ds_id in self.trainable:
                     n = counts.get(ds_id, 0)
@@ -107,10 +114,22 @@ class BackwardStep:
             self.stepped_last_window = stepped
             return stepped, square
         finally:
+            self._graph_ran = False
             self._stepped = {}
             self._spent_square = None
             self._window_exact = True
             self.armed = False
+
+    def _warn_no_graphs(self) -> None:
+        """The option is on, but nothing gave it a place to step (never silently without effect)."""
+        if self._warned:
+            return
+        self._warned = True
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn("compile.optimizer_step_in_backward: no compiled backward graph ran in this accumulation "
+                          "window (engine.compile() was not called, or every frame ran eagerly), so every parameter "
+                          "stepped in engine.step() as without the option. It steps after compiled backward graphs; "
+                          "engine.compile(regional=True) gives one per layer", stacklevel=4)
 
     def _check_not_late(self, ds_ids: Sequence[int], counts: Dict[int, int]) -> None:
         late = [i for i in ds_ids if i in self._stepped and counts.get(i, 0) > self._stepped[i]]
