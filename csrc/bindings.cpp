@@ -158,6 +158,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("pending_reduce_tasks", [] { return currentRuntime().reducer().pendingTasks(); });
   m.def("reduce_bucket_numel", [] { return currentRuntime().reducer().bucketNumel(); });
   m.def("was_reduced", [](int64_t id) { return currentRuntime().registry().get(id).has_acc_grad; });
+  m.def("reduce_count", [](int64_t id) { return currentRuntime().registry().get(id).reduce_count; });
   m.def("reduce_counts", [] {
     std::map<int64_t, int64_t> counts;
     currentRuntime().registry().forEach([&counts](DSParam& p) { counts[p.id] = p.reduce_count; });

@@ -60,6 +60,7 @@ __all__ = [
     "holds_grad_target",
     "was_reduced",
     "reduce_counts",
+    "reduce_count",
     "world_size",
     "rank",
 ]
@@ -356,6 +357,11 @@ def reduce_counts() -> Dict[int, int]:
     accumulation window: more than one means several graphs or micro-steps contributed, zero that
     none did. Counts restart when a backward opens a new window; profiling runs are not counted."""
     return {int(k): int(v) for k, v in _C.reduce_counts().items()}
+
+
+def reduce_count(ds_id: int) -> int:
+    """``reduce_counts()[ds_id]``, for one parameter without building the whole map."""
+    return int(_C.reduce_count(int(ds_id)))
 
 
 def grad_target(ds_id: int) -> Optional[torch.Tensor]:

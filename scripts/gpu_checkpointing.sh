@@ -11,11 +11,7 @@ source "$(dirname "$0")/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-  echo "source digest $(bash scripts/source_digest.sh)"
-} 2>&1 | tee "$OUT/env.txt"
+gpu_environment
 
 gpu_build
 echo "built at $(elapsed) s"

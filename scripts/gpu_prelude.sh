@@ -11,3 +11,11 @@ gpu_build() {  # build log in $OUT/build.log; on failure its tail, and the calli
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
 }
+
+gpu_environment() {  # the machine, the library versions and the source digest, also to $OUT/env.txt
+  {
+    date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    echo "source digest $(bash scripts/source_digest.sh)"
+  } 2>&1 | tee "$OUT/env.txt"
+}

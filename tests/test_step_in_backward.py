@@ -64,6 +64,8 @@ def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: in
         loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
         engine.backward(loss)
         boundary = engine.is_gradient_accumulation_boundary()
+        counts = runtime.reduce_counts()  # the per-parameter accessor the step in backward reads agrees
+        assert all(runtime.reduce_count(i) == counts[i] for i in names)
         if on and boundary and step // gas >= 2:
             held = sorted(names[i] for i in layer_ids if runtime.holds_grad_target(i))
             assert not held, f"step {step}: layer gradients still held after the backward: {held}"

@@ -83,10 +83,11 @@ class BackwardStep:
         if not self.armed:
             return
         self._graph_ran = True
-        counts = runtime.reduce_counts()
+        # Only this graph's ids: the whole map would cost every parameter per layer graph.
+        counts = {i: runtime.reduce_count(i) for i in dict.fromkeys(ds_ids)}
         self._check_not_late(ds_ids, counts)
-        ready = [i for i in dict.fromkeys(ds_ids)
-                 if i in self.trainable and i not in self._stepped and counts.get(i, 0) == self.final_count.get(i)]
+        ready = [i for i, n in counts.items()
+                 if i in self.trainable and i not in self._stepped and n == self.final_count.get(i)]
         if not ready:
             return
         if debug_checks.LEDGER is not None:  # compile.debug_checks: engine.step() will not see these
