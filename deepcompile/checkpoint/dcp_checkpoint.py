@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from deepcompile.checkpoint import layout, rng_state
 from deepcompile.checkpoint.agreement import CheckpointError, agreed
 from deepcompile.checkpoint.flat_planners import FlatRange, FlatRangeLoadPlanner, FlatRangeSavePlanner
-from deepcompile.zero.sharding import ParamShard
+from deepcompile.zero.param_shard import ParamShard
 
 MODEL = "model/"
 OPTIM = "optim/"

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepcompile.zero.sharding import ParamShard
+from deepcompile.zero.param_shard import ParamShard
 
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -14,30 +14,14 @@ Padding is never part of a range.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-
-@dataclasses.dataclass(frozen=True, eq=False)  # a tensor field: no element-wise ==
-class ParamShard:
-    """This rank's piece of one partitioned parameter."""
-
-    name: str  # the parameter's first name in ``module.named_parameters()``
-    ds_id: int  # its id in the runtime's registry
-    shape: torch.Size  # the full parameter's shape
-    # 1-D, ``end - start`` elements, a view of the storage the stage reads: the fp32 master weights
-    # of a trainable parameter (ZeRO-3 frozen parameters: their shard, in the parameter's dtype).
-    # Writing it in place changes the model once ``Sharding.sync_params_from_shards`` has run.
-    local: torch.Tensor
-    start: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        """Elements of the full parameter."""
-        return self.shape.numel()
+# The piece type lives in its own leaf module so that zero/gather_full.py, which Sharding.full_params
+# uses, can take it without importing this module back.
+from deepcompile.zero.param_shard import ParamShard  # noqa: F401  (also named from here)
+from deepcompile.zero.gather_full import gather_to_rank
 
 
 class Sharding(abc.ABC):
@@ -176,8 +160,6 @@ class Sharding(abc.ABC):
         the tensor on the group's first rank, None on the others, which never hold more than
         their piece (zero/gather_full.py). Collective: every rank must exhaust it. Stages set
         ``module`` and ``group``; one whose parameters are replicated can skip the gathers."""
-        from deepcompile.zero.gather_full import gather_to_rank
-
         # Pieces read from an offloaded host copy are sent from the stage's device.
         return gather_to_rank(self.shards(), lambda s: self.module.get_parameter(s.name).dtype, self.group,
                               device=getattr(self, "device", None))
