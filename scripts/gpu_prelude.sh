@@ -1,7 +1,7 @@
-# Sourced by the scripts/gpu_*.sh runs (not run on its own): the repository root as working
-# directory, $OUT for logs, the GPU machine's system compilers (its default g++ builds an extension
-# that crashes: NOTES.md "GPU machine toolchain") and `gpu_build`, the incremental build of the
-# extension into the installed package.
+# Sourced by the GPU runs (scripts/gpu_*.sh and bench/results/recipes/*.sh; not run on its own):
+# the repository root as working directory, $OUT for logs, the GPU machine's system compilers (its
+# default g++ builds an extension that crashes: NOTES.md "GPU machine toolchain") and `gpu_build`,
+# the incremental build of the extension into the installed package.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"

@@ -6,7 +6,7 @@
 # predicted transfer and exposed time per kind, predicted vs measured peak) is printed.
 # Logs go to $OUT (or ./gpu-logs): pytest_joint_offload.log.
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout 480 python3 -m pytest -q -rs -s tests/test_joint_offload.py -k gpu -p no:cacheprovider \

@@ -8,9 +8,9 @@
 # bench-*.log (each ends with its markdown block), pytest.log; with TRACE=1, peaks.txt:
 # bench/memory_peak.py on the allocator history of one more step of every row.
 #
-#   OUT=... [TRACE=1] [CALL_BUDGET=0: no tests] bash scripts/gpu_step_in_backward.sh
+#   OUT=... [TRACE=1] [CALL_BUDGET=0: no tests] bash bench/results/recipes/gpu_step_in_backward.sh
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 

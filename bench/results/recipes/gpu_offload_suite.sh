@@ -4,12 +4,12 @@
 # offload, host memory, the host-buffer release), then compute-sanitizer memcheck over the joint
 # offload test (all three kinds planned together under a tight budget).
 #
-#   bash scripts/gpu_offload_suite.sh          logs under $OUT
+#   bash bench/results/recipes/gpu_offload_suite.sh          logs under $OUT
 #
 # Environment: SUITE_S (seconds for the whole call, default 560), TESTS_S (the pytest part's limit,
 # default 300), SANITIZE (1: run memcheck after the tests, default 1).
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 start=$SECONDS
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -4,7 +4,7 @@
 # and bench/offload_bench.py (ZeRO-3 with and without offload, FSDP2 + CPU offload as the peer).
 # Logs go to $OUT (or ./gpu-logs): pytest_offload.log, offload_bench.log, offload_bench.md.
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -rs tests/test_offload.py -k gpu -p no:cacheprovider \

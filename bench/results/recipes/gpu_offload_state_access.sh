@@ -4,7 +4,7 @@
 # gpu test: the device memory a save and a load of an offloaded ZeRO-3 engine take), printing the
 # measured peaks (-s). Logs go to $OUT (or ./gpu-logs): pytest_offload_state_access.log.
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -s -rs tests/test_offload_state_access.py -k gpu -p no:cacheprovider \

@@ -9,12 +9,12 @@
 #      (bench/train_bench.py default 1B model); the table goes to $OUT/compile.md.
 # Each part has its own time limit, so a part that runs long costs only its own results.
 #
-#   bash scripts/gpu_regional.sh              # from the device tool: OUT is set there
-#   BENCH_NPROC=2 TEST_WORLD_SIZES=2 bash scripts/gpu_regional.sh   # on 2 GPUs (prefetch across layers)
+#   bash bench/results/recipes/gpu_regional.sh              # from the device tool: OUT is set there
+#   BENCH_NPROC=2 TEST_WORLD_SIZES=2 bash bench/results/recipes/gpu_regional.sh   # on 2 GPUs (prefetch across layers)
 # REGIONAL_TESTS=0 / OFFLOAD_TESTS=0 skip a test part; the bench gets the rest of CALL_S seconds.
 set -uo pipefail
 MAX_JOBS=${MAX_JOBS:-16}
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 {

@@ -4,7 +4,7 @@
 # 2 -> 3 rank reload needs 3 (skipped, with the reason, on fewer). Also checks the DCP API on the
 # machine's torch (2.11). Logs and a JUnit report go to $OUT (or ./gpu-logs).
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -q -rs \

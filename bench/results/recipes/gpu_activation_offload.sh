@@ -5,7 +5,7 @@
 # bytes it offloads (printed), and that an offloaded block is not reused while its copy may read it.
 # Logs go to $OUT (or ./gpu-logs): pytest_activation_memory.log.
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout 480 python3 -m pytest -q -rs -s tests/test_activation_memory.py -k gpu -p no:cacheprovider \

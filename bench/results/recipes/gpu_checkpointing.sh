@@ -5,9 +5,9 @@
 # tests/test_activation_checkpointing.py over NCCL (world size 1 on one GPU). Logs under $OUT:
 # ckpt.md (the markdown block), ckpt.json (rewritten after every row), bench.log, pytest.log.
 #
-#   OUT=... bash scripts/gpu_checkpointing.sh            # CKPT_STAGES=3 for ZeRO-3 only
+#   OUT=... bash bench/results/recipes/gpu_checkpointing.sh            # CKPT_STAGES=3 for ZeRO-3 only
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 

@@ -4,7 +4,7 @@
 # with FSDP2 + CPU offload against deepcompile's offload rows, PCIe bandwidth measured in the same
 # run, transfer/overlap from a torch.profiler trace; and the largest model per system.
 #
-#   bash scripts/gpu_offload_7b.sh PHASE [PHASE ...]      logs and tables under $OUT
+#   bash bench/results/recipes/gpu_offload_7b.sh PHASE [PHASE ...]      logs and tables under $OUT
 #
 # Every phase builds first (incremental on a warm machine); all phases of one call share CALL_S
 # seconds (default 570: the machine's per-call limit is 600), each a timeout of what is left.
@@ -22,7 +22,7 @@
 # largest-*: bisects the layer list (LARGEST_SEARCH=linear: in order), LARGEST_TIMEOUT s per try.
 # Extra train_bench options for the table phases: TABLE_OPTS (e.g. "--offload-passes prefetch --warmup 3").
 set -uo pipefail
-source "$(dirname "$0")/gpu_prelude.sh"
+source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 [ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }
 
 start=$SECONDS
