@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ __all__ = [
     "reduce_count",
     "world_size",
     "rank",
+    "side_effectful_ops",
 ]
 
 STAGES = (1, 2, 3)
@@ -287,6 +288,16 @@ def lane_stream(lane: str):
     from deepcompile import compat
 
     return compat.stream_from_ids(*_C.lane_stream(str(lane)))
+
+
+def side_effectful_ops() -> List:
+    """The ``torch.ops.dc`` overloads that graphs call for their effect alone (their results, if
+    any, are unused): what dead-code removal must keep (``compat.mark_ops_side_effectful``)."""
+    dc = torch.ops.dc
+    ops = [dc.free_tensors.default]
+    for packet in (dc.end_backward, dc.reduce_grad, dc.release_param, dc.prefetch_params_fused, dc.wait_allgather):
+        ops += [packet.default, packet.slot]  # slot: ids as data (passes/slot_ops.py)
+    return ops
 
 
 def start_backward(update: bool) -> None:

@@ -30,10 +30,14 @@ def test_every_export_has_a_check():
 
 
 def test_mark_ops_side_effectful_for_fx_and_inductor():
-    compat.mark_ops_side_effectful()
+    from deepcompile import runtime
+    from deepcompile.offload import activation_ops
+
+    compat.mark_ops_side_effectful([*runtime.side_effectful_ops(), *activation_ops.SIDE_EFFECTFUL_OPS])
     from torch.fx.node import _side_effectful_functions
 
-    for op in (torch.ops.dc.end_backward.default, torch.ops.dc.reduce_grad.default, torch.ops.dc.release_param.default):
+    for op in (torch.ops.dc.end_backward.default, torch.ops.dc.reduce_grad.default, torch.ops.dc.release_param.default,
+               torch.ops.dc.reduce_grad.slot, activation_ops.OFFLOAD, activation_ops.FREE_AFTER):
         assert op in _side_effectful_functions
     g = torch.fx.Graph()
     node = g.call_function(torch.ops.dc.end_backward.default, ([], 1, False))

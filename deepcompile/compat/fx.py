@@ -3,7 +3,7 @@ beyond FX's public API, and the pytree helpers torch keeps private."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.fx import Node
@@ -40,23 +40,18 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
     return _LazyGraphModule(root, graph)
 
 
-def mark_ops_side_effectful() -> None:
-    """Keep the runtime ops that return nothing useful alive through dead-code removal.
+def mark_ops_side_effectful(ops: Iterable[Any]) -> None:
+    """Keep ``ops`` (operator overloads that return nothing useful) alive through dead-code removal.
 
     Uses ``torch.fx.node.has_side_effect``, which FX's ``Node.is_impure`` and Inductor's
     ``FallbackKernel.has_side_effects`` (through ``torch._library.utils.is_impure``) consult.
-    Unlike DeepSpeed we do not switch off Inductor's dead-node elimination globally.
+    Unlike DeepSpeed we do not switch off Inductor's dead-node elimination globally. The caller
+    names the ops (``runtime.side_effectful_ops``, ``offload/activation_ops.py``): compat knows
+    torch, not which ops the package defines.
     """
     from torch.fx.node import has_side_effect
 
-    dc = torch.ops.dc
-    for packet in (dc.end_backward, dc.reduce_grad, dc.release_param, dc.prefetch_params_fused, dc.wait_allgather):
-        has_side_effect(packet.default)
-        has_side_effect(packet.slot)  # ids as data (passes/slot_ops.py)
-    has_side_effect(dc.free_tensors.default)
-    from deepcompile.offload import activation_ops  # registers the activation-offload ops
-
-    for op in (activation_ops.OFFLOAD, activation_ops.RELOAD, activation_ops.WAIT, activation_ops.FREE_AFTER):
+    for op in ops:
         has_side_effect(op)
 
 

@@ -35,6 +35,7 @@ from torch.fx import GraphModule, Node
 from deepcompile import compat, debug_checks, runtime
 from deepcompile.compiler.graph_instances import GraphInstance, SharedGraph, Template, binding_of
 from deepcompile.compiler.partitioner import GRAPH_INPUT_NAME, make_partition_fn
+from deepcompile.offload import activation_ops
 from deepcompile.passes import offload_activation
 from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
 from deepcompile.passes.free_activation import insert_frees
@@ -91,7 +92,7 @@ class DeepCompileBackend:
         self.instances: Dict[int, GraphInstance] = {}  # graph id -> instance (compiler/graph_instances.py)
         # compile.free_activation / offload_activation (offload/activations.py), or None.
         self.activations = activations
-        compat.mark_ops_side_effectful()
+        compat.mark_ops_side_effectful([*runtime.side_effectful_ops(), *activation_ops.SIDE_EFFECTFUL_OPS])
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         # Dynamo keeps using ``gm`` after this returns: the template compiles a copy (it gains an

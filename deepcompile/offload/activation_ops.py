@@ -307,3 +307,5 @@ OFFLOAD = ops.offload_activation.default
 RELOAD = ops.reload_activation.default
 WAIT = ops.wait_reload.default
 FREE_AFTER = ops.free_after.default
+# Called for their effect alone: dead-code removal must keep them (compat.mark_ops_side_effectful).
+SIDE_EFFECTFUL_OPS = (OFFLOAD, RELOAD, WAIT, FREE_AFTER)
