@@ -21,6 +21,7 @@ from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
 from deepcompile.offload.activations import activation_memory
 from deepcompile.offload.joint import joint_offload, measured_compute
+from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
@@ -42,7 +43,10 @@ def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: C
                    group: dist.ProcessGroup, device: torch.device, init_fn: Optional[InitFn]) -> Sharding:
     stage = config.zero_optimization.stage
     if stage == 3:
-        return Zero3Sharding(model, optimizer, config, group, device=device, init_fn=init_fn)
+        # Parameter offload keeps the gather sources on the host: the stage is told, it does not
+        # look at the offload settings itself.
+        return Zero3Sharding(model, optimizer, config, group, device=device, init_fn=init_fn,
+                             masters_offloadable=bool(parameter_offload_keys(config)))
     return Zero12Sharding(model, optimizer, config, group, stage, device=device, init_fn=init_fn)
 
 

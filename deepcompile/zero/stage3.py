@@ -9,7 +9,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import compat, runtime
-from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.backward_step import BackwardStep
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
@@ -24,7 +23,8 @@ class Zero3Sharding(Sharding):
     stage = 3
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
-                 device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None):
+                 device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None,
+                 masters_offloadable: bool = False):
         self.module = model
         self.group = group
         self.rank = dist.get_rank(group)
@@ -53,8 +53,10 @@ class Zero3Sharding(Sharding):
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
         # Parameter offload: the master shards (the gather sources) may live on the host between
-        # steps, where the runtime gathers them from (deepcompile/offload/).
-        self.masters_offloadable = bool(parameter_offload_keys(config))
+        # steps, where the runtime gathers them from. The engine says whether it is on: which
+        # offload kinds exist is not this stage's knowledge (deepcompile/offload/ plugs in through
+        # ``state_access`` and ``sub_group_hooks``).
+        self.masters_offloadable = masters_offloadable
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
         if config.compile.optimizer_step_in_backward:
