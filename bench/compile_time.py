@@ -43,16 +43,18 @@ REST = "step: everything else"
 
 
 class PhaseClock:
-    """Exclusive wall time per phase, for phases entered through wrapped functions."""
+    """Exclusive wall time per phase, for phases entered through wrapped functions. ``now``: the
+    clock read at every phase boundary (seconds; ``time.perf_counter`` unless a test injects one)."""
 
-    def __init__(self):
+    def __init__(self, now: Callable[[], float] = time.perf_counter):
+        self._now = now
         self.seconds: Dict[str, float] = collections.defaultdict(float)
         self.calls: Dict[str, int] = collections.defaultdict(int)
         self._stack: List[List[Any]] = []  # [phase, start of its current segment]
         self._undo: List[Tuple[Any, str, Any]] = []
 
     def push(self, phase: str) -> None:
-        now = time.perf_counter()
+        now = self._now()
         if self._stack:
             top = self._stack[-1]
             self.seconds[top[0]] += now - top[1]
@@ -60,7 +62,7 @@ class PhaseClock:
         self.calls[phase] += 1
 
     def pop(self) -> None:
-        now = time.perf_counter()
+        now = self._now()
         phase, start = self._stack.pop()
         self.seconds[phase] += now - start
         if self._stack:
@@ -134,12 +136,12 @@ PHASES: List[Tuple[str, str, Any, Optional[str]]] = [
     ("deepcompile.compiler.backend", "insert_gather_release", "deepcompile: ZeRO-3 gather/release pass", None),
     ("deepcompile.compiler.backend", "insert_reductions", "deepcompile: reduce pass", None),
     ("deepcompile.compiler.backend", "apply_prefetch", "deepcompile: prefetch pass", None),
-    ("deepcompile.scheduling.replan", "apply_prefetch", "deepcompile: prefetch pass", None),
+    ("deepcompile.compiler.replan", "apply_prefetch", "deepcompile: prefetch pass", None),
     ("deepcompile.compiler.backend", "saved_values", "deepcompile: activation passes", None),
     ("deepcompile.compiler.backend", "_copy_graph_module", "deepcompile: graph copies", None),
     ("deepcompile.compiler.backend", "to_slot_ops", "deepcompile: ids-as-data lowering", None),
     ("deepcompile.compiler.backend", "rebind", "deepcompile: graph copies", None),
-    ("deepcompile.scheduling.replan", "_copy", "deepcompile: graph copies", None),
+    ("deepcompile.compiler.replan", "_copy", "deepcompile: graph copies", None),
     ("deepcompile.scheduling.planner", "graph_signature", "deepcompile: graph signature", None),
     ("deepcompile.scheduling.planner", "plan_prefetch", "deepcompile: planner", None),
     ("deepcompile.scheduling.planner", "graph_gathers", "deepcompile: planner", None),
@@ -149,7 +151,7 @@ PHASES: List[Tuple[str, str, Any, Optional[str]]] = [
     # the schedule
     ("deepcompile.scheduling.driver:ScheduleDriver", "run_profiled", _profile_phase, None),
     ("deepcompile.scheduling.driver", "measure_allgather", "deepcompile: all-gather time model", None),
-    ("deepcompile.scheduling.replan", "replan_in_place", "deepcompile: re-plan", None),
+    ("deepcompile.compiler.replan", "replan_in_place", "deepcompile: re-plan", None),
     ("deepcompile.scheduling.report:ScheduleReport", "planned", "deepcompile: schedule report", None),
     ("deepcompile.scheduling.report:ScheduleReport", "measured", "deepcompile: schedule report", None),
 ]

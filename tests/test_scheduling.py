@@ -454,7 +454,7 @@ def test_compiled_halves_stay_boxed_through_torch_wrappers():
     assert ref() is None, "a wrapper kept the driver alive"
 
 
-# ---- re-planning in place (scheduling/replan.py) ------------------------------------------------
+# ---- re-planning in place (compiler/replan.py) ------------------------------------------------
 
 
 def _steps(engine, ctx, steps, start=0):
@@ -557,7 +557,7 @@ def test_replan_keeps_halves_whose_graph_the_plan_does_not_change():
 
 
 def test_a_later_forward_compile_keeps_the_strides_its_backward_expects():
-    from deepcompile.scheduling.replan import _with_strides
+    from deepcompile.compiler.replan import _with_strides
 
     x = torch.arange(6.0).reshape(2, 3)
     compiled = lambda args: [args[0].t(), args[0] + 1]  # noqa: E731 -- output 0 is transposed (strides (1, 3))

@@ -33,6 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from deepcompile import compat, debug_checks, runtime
+from deepcompile.compiler import replan
 from deepcompile.compiler.graph_instances import GraphInstance, SharedGraph, Template, binding_of
 from deepcompile.compiler.partitioner import GRAPH_INPUT_NAME, make_partition_fn
 from deepcompile.offload import activation_ops
@@ -44,7 +45,7 @@ from deepcompile.passes.reduce import insert_reductions
 from deepcompile.passes.saved_values import saved_values
 from deepcompile.passes.slot_ops import rebind, to_slot_ops
 from deepcompile.passes.zero3 import insert_gather_release
-from deepcompile.scheduling import planner, replan
+from deepcompile.scheduling import planner
 from deepcompile.zero.sharding import Sharding
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class DeepCompileBackend:
         if self.stage == 3:
             base = _copy_graph_module(gm)
             self.driver.note_graph(signature, base)
-            if not replan.has_symbolic_sizes(inputs):  # scheduling/replan.py: why not otherwise
+            if not replan.has_symbolic_sizes(inputs):  # compiler/replan.py: why not otherwise
                 half_plan = replan.HalfPlan(base, record.graph_id, phase,
                                             self._compiler_for_later(record, inputs, is_backward, graph_arg))
             plan = self.driver.prefetch_plan(gm, signature)
@@ -363,7 +364,7 @@ class _ProfiledCallable:
     unpacked and every activation saved by the forward stays alive until the whole backward graph
     has run (docs/design.md, "Measured"). ``detach`` drops every reference once the engine is gone.
 
-    ``plan`` (ZeRO-3, static sizes): what re-planning in place needs (``scheduling/replan.py``);
+    ``plan`` (ZeRO-3, static sizes): what re-planning in place needs (``compiler/replan.py``);
     ``compiled`` is None while a compile is pending, done at the next run that is not profiled.
     """
 

@@ -5,7 +5,7 @@ A :class:`CompiledModule` owns the compile-side bookkeeping of one engine:
 * one :class:`~deepcompile.compiler.backend.DeepCompileBackend` per inner compiler
   (``backend_for``), shared by ``engine.compile()`` and the ``"deepcompile"`` string backend;
 * re-planning when the pass schedule switches plans (``recompile``): in place, graph half by
-  graph half (``scheduling/replan.py``), or else with the ``torch.compile`` arguments of
+  graph half (``compiler/replan.py``), or else with the ``torch.compile`` arguments of
   ``compile()``, compiling again with a fresh backend: Dynamo keys its cache by backend, so the
   new wrapper traces afresh while nothing else is reset;
 * the retired backends, whose graphs may still run (and must be cut loose at ``close``);
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from deepcompile.compiler import regions as regional_compile
 from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
-from deepcompile.scheduling import replan
+from deepcompile.compiler import replan
 from deepcompile.zero.sharding import Sharding
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class CompiledModule:
         """The schedule switched plans. Returns the module to run from now on, or None to keep
         running the current one.
 
-        Usually every compiled graph half is re-planned in place (``scheduling/replan.py``):
+        Usually every compiled graph half is re-planned in place (``compiler/replan.py``):
         nothing is traced again, and only halves whose graph the new plan changes are compiled
         again, when they next run. Otherwise (a half with symbolic sizes) every backend is retired
         and, if ``compile()`` was used, the module is compiled afresh; code compiled through

@@ -21,12 +21,16 @@ practice the compute, hence the layout, is the same: the plans only add communic
 Halves with symbolic input sizes are not re-planned in place: a later compile could add shape
 guards that Dynamo never installed. If any live half is such, the module is re-planned the
 old way, by compiling it again with a fresh backend (``compiler/compiled_module.py``).
+
+It lives beside the compiled halves it edits (``compiler/backend.py``) and is used through
+``__all__`` alone. Of the schedule it reads only :class:`PlanSource`, which
+``scheduling/driver.py``'s driver satisfies: the scheduler decides plans, this module applies them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.fx import GraphModule
@@ -36,7 +40,20 @@ from deepcompile.offload import bandwidth
 from deepcompile.passes import offload_activation
 from deepcompile.passes.prefetch import apply_prefetch
 
+__all__ = ["HalfPlan", "PlanSource", "has_symbolic_sizes", "plan_key", "replan", "replan_in_place"]
+
 log = logging.getLogger(__name__)
+
+
+class PlanSource(Protocol):
+    """What re-planning reads of the schedule (``scheduling.driver.ScheduleDriver``)."""
+
+    device: torch.device  # for the host-to-device bandwidth that places activation reloads
+    profiles: Mapping[Any, Any]  # graph signature -> its profile (``profiling/graph_profiler.py``)
+    chain: Any  # ``scheduling/instance_chain.py``: ``set_head(phase, graph_id, plan)``
+
+    def prefetch_plan(self, gm: GraphModule, signature: Any) -> Any:
+        """The current plan's prefetch plan for ``gm`` (None: no prefetching)."""
 
 
 def has_symbolic_sizes(inputs: Sequence[Any]) -> bool:
@@ -146,7 +163,7 @@ def plan_key(plan: Any) -> Tuple:
                  for group in plan.groups)
 
 
-def replan(half: Any, driver: Any) -> bool:
+def replan(half: Any, driver: PlanSource) -> bool:
     """Re-apply the optional passes of the driver's current plan to ``half`` (a
     ``compiler.backend._ProfiledCallable`` with a ``plan``); True if its graph changed.
 
@@ -181,7 +198,7 @@ def replan(half: Any, driver: Any) -> bool:
     return True
 
 
-def replan_in_place(halves: Sequence[Any], driver: Any) -> int:
+def replan_in_place(halves: Sequence[Any], driver: PlanSource) -> int:
     """Re-plan every half; returns how many changed (and will compile at their next compiled run)."""
     return sum(replan(h, driver) for h in halves)
 
