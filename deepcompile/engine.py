@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import compat, debug_checks, optim_builder, runtime
+from deepcompile import compat, debug_checks, logging_setup, optim_builder, progress, runtime
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
@@ -62,6 +62,7 @@ class Engine:
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        logging_setup.show_progress(self.rank)  # rank 0's lines on stderr unless logging is configured
         # Fill "auto", complete the batch sizes and check what depends on the model (config.py).
         config = config.resolve(self.world_size, model)
         self.config = config
@@ -126,6 +127,7 @@ class Engine:
             self._ledger = debug_checks.ReductionLedger(self.sharding.param_names())
             debug_checks.install(self._ledger)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
+        self._first_runs = progress.FirstRuns(show=self.rank == 0)  # compiles are lazy: say when they run
 
     def compile(self, backend: str = "inductor", regional: Any = False, **torch_compile_kwargs: Any) -> "Engine":
         """Compile the model with deepcompile's backend around ``backend`` ("inductor" or "eager").
@@ -159,7 +161,8 @@ class Engine:
         module = self._compiled if self._compiled is not None else self.module
         self.step_report.count_tokens(args, kwargs)
         self.step_report.start("forward")
-        out = module(*args, **kwargs)
+        with self._first_runs("forward", self._compiled is not None):
+            out = module(*args, **kwargs)
         self.step_report.stop("forward")
         return out
 
@@ -177,7 +180,8 @@ class Engine:
             self.offload.before_backward(self.is_gradient_accumulation_boundary())
         self.step_report.start("backward")
         try:
-            (loss / self.gradient_accumulation_steps).backward()
+            with self._first_runs("backward", self._compiled is not None):
+                (loss / self.gradient_accumulation_steps).backward()
         finally:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
@@ -218,6 +222,7 @@ class Engine:
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
                 self._compiled = recompiled
+            self._first_runs.reset()
         return norm
 
     def get_global_grad_norm(self) -> Optional[float]:
@@ -262,8 +267,9 @@ class Engine:
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the profile-guided passes decided at the last schedule switch ({} before any), and
-        with optimizer-state offload on, what it offloads (``optimizer_state_offload``)."""
-        return self.scheduler.report.as_dict()
+        with optimizer-state offload on, what it offloads (``optimizer_state_offload``). A dict;
+        ``.to_text()`` (or ``print(report)``) renders it for reading (scheduling/report.py)."""
+        return self.scheduler.report.snapshot()
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -303,7 +309,24 @@ class Engine:
         Format and behaviour: docs/design.md, "Checkpoints"."""
         from deepcompile.checkpoint import dcp_checkpoint
 
-        return dcp_checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        with progress.long_operation(f"saving checkpoint into {save_dir}", self.rank == 0) as shown:
+            path = dcp_checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            shown["done"] = f"saved checkpoint {path}"
+        if self.rank == 0:
+            self._save_model_config(path)
+        return path
+
+    def _save_model_config(self, path: str) -> None:
+        """A transformers model's config.json beside the checkpoint, so that ``deepcompile export``
+        (cli/export.py) makes a folder ``from_pretrained`` reads without the original model at
+        hand. Rank 0, after the commit: not part of what a load checks, so a failure only warns."""
+        from deepcompile.checkpoint.hf_weights import write_hf_config
+
+        try:
+            write_hf_config(self.module, path)
+        except Exception as e:  # noqa: BLE001  (the checkpoint itself is complete)
+            warnings.warn(f"checkpoint {path} was saved, but writing the model's config.json beside it failed: "
+                          f"{type(e).__name__}: {e}", stacklevel=3)
 
     def load_checkpoint(self, load_dir: Any, tag: Any = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
@@ -317,8 +340,11 @@ class Engine:
         Collective."""
         from deepcompile.checkpoint import dcp_checkpoint
 
-        return dcp_checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                              load_module_only)
+        with progress.long_operation(f"loading checkpoint from {load_dir}", self.rank == 0) as shown:
+            loaded = dcp_checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                                    load_lr_scheduler_states, load_module_only)
+            shown["done"] = f"loaded checkpoint {loaded[0]}"
+        return loaded
 
     def destroy(self) -> None:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut

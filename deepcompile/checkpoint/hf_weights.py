@@ -249,7 +249,7 @@ def _training_dtype(module: nn.Module) -> Optional[torch.dtype]:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
-def _write_config(module: nn.Module, folder: str) -> None:
+def write_hf_config(module: nn.Module, folder: str) -> None:
     """config.json (and generation_config.json) of a transformers model, naming its class and
     training dtype as ``save_pretrained`` does, so that ``from_pretrained`` rebuilds it."""
     config = getattr(module, "config", None)
@@ -337,7 +337,7 @@ def save_hf(engine, directory: Union[str, os.PathLike], *, max_shard_size: Union
                         for name, tensor in _stored_tensors(entry.names[0], entry.tensor.detach(), conversions):
                             writer.add(name, tensor)
             writer.finish(sum(e.tensor.numel() for e in entries if e.is_parameter))
-            _write_config(module, staging)
+            write_hf_config(module, staging)
             _move_into_place(staging, directory)
             staging = None
         except Exception as e:

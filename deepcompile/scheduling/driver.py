@@ -154,6 +154,9 @@ class ScheduleDriver:
         elif self._upcoming(global_steps) is not None:
             self.mode = "plan"
             self.chain.start_recording()
+        if self.mode is not None and self.rank == 0:
+            log.info("step %d: %s (each graph runs once under the profiler; this step is slower)", global_steps,
+                     "profiling for the schedule" if self.mode == "plan" else "measuring the new schedule")
 
     def end_micro_step(self) -> None:
         self.chain.stop_recording()
@@ -244,6 +247,8 @@ class ScheduleDriver:
         self._fresh_profile = False
         self.report.planned(global_steps, entry, self.budget_bytes(), self.comm, dict(self.profiles), persistent_plan,
                             self._preview_prefetch() if "prefetch" in entry.passes else {})
+        if self.rank == 0:
+            log.info("%s", self.report.switch_line())
 
     def _preview_prefetch(self) -> Dict[Tuple, planner.PrefetchPlan]:
         """The prefetch plans the recompile will make (same inputs, so the same plans)."""

@@ -10,6 +10,12 @@ printed when ``compile.debug_log`` is true. One report per schedule switch, in t
 * after the first micro-step under the new plan (``measured``): the peak of each graph measured by
   profiling that micro-step, next to the prediction.
 
+``engine.schedule_report()`` returns the report as a :class:`ReportDict`: a plain dict, readable
+as text with ``.to_text()`` or ``str()`` (:func:`format_schedule_report`, also
+``deepcompile.format_schedule_report`` for a dict read back from JSON). At each switch rank 0 also
+logs one line (:func:`summary_line`): prefetch groups, what stays gathered, what is offloaded and
+the predicted peak against the budget.
+
 Memory numbers are what the profiler measures: allocated device memory on GPU (so they include
 the model and optimizer state), the graph's own working set on CPU.
 """
@@ -183,37 +189,15 @@ class ScheduleReport:
         return out
 
     def text(self) -> str:
-        r = self.as_dict()
-        offload = [] if self.offload is None else _offload_lines(r["optimizer_state_offload"])
-        if self.activations is not None:
-            offload += _activation_lines(r["activations"])
-        if self.joint is not None:
-            offload += _joint_lines(r["offload_plan"])
-        if "step" not in r:
-            return "\n".join(["deepcompile schedule: no switch yet"] + offload)
-        lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]
-        for g in r["graphs"]:
-            lines.append(
-                f"  graph {g['graph_id']} {g['graph']}: profiled {g['profiled_time_ms']:.2f} ms, "
-                f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
-                + (f"measured {_mib(g['measured_peak_bytes'])}" if g["measured_peak_bytes"] is not None
-                   else "measured n/a" if getattr(self.compile_config, "verify_plan", True)
-                   else "not measured (compile.verify_plan off)")
-                + ("" if g["profile_complete"] else f" [profile incomplete: {g['profile_error']}]")
-            )
-            for grp in g["prefetch"] or []:
-                where = "ahead, before" if grp["ahead"] else "at use, before"
-                lines.append(f"    prefetch {len(grp['ds_ids'])} param(s), {_mib(grp['bytes'])}, {where} {grp['launch_before']}")
-        total = sum(p["bytes"] for p in r["persistent"])
-        lines.append(f"  persistent: {len(r['persistent'])} param(s), {_mib(total)}"
-                     + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
-        for p in r["persistent"]:
-            lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
-        across = r.get("prefetch_across_graphs")
-        if across and across["links"]:
-            lines.append(f"  prefetch across graphs: {across['links']} link(s), {across['launched']} launched, "
-                         f"{across['held_back_for_memory']} held back by the budget")
-        return "\n".join(lines + offload)
+        return format_schedule_report(self.as_dict(), getattr(self.compile_config, "verify_plan", True))
+
+    def switch_line(self) -> str:
+        """One line on the switch just planned, for the run's log (:func:`summary_line`)."""
+        return summary_line(self.as_dict())
+
+    def snapshot(self) -> "ReportDict":
+        """The report now, as ``engine.schedule_report()`` returns it."""
+        return ReportDict(self.as_dict(), getattr(self.compile_config, "verify_plan", True))
 
     def _emit(self) -> None:
         cfg = self.compile_config
@@ -228,3 +212,85 @@ class ScheduleReport:
                 f.write(self.text() + "\n")
         if cfg.debug_log:
             print(self.text(), flush=True)
+
+
+def format_schedule_report(r: Dict[str, Any], verify_plan: bool = True) -> str:
+    """``engine.schedule_report()`` as text: the switch's plan per graph (profile, prefetch
+    groups, predicted and measured peaks), the persistent set and the offload plans.
+    ``verify_plan``: whether measured peaks were to be expected (``compile.verify_plan``)."""
+    offload = _offload_lines(r["optimizer_state_offload"]) if "optimizer_state_offload" in r else []
+    if "activations" in r:
+        offload += _activation_lines(r["activations"])
+    if "offload_plan" in r:
+        offload += _joint_lines(r["offload_plan"])
+    if "step" not in r:
+        return "\n".join(["deepcompile schedule: no switch yet"] + offload)
+    lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]
+    for g in r["graphs"]:
+        lines.append(
+            f"  graph {g['graph_id']} {g['graph']}: profiled {g['profiled_time_ms']:.2f} ms, "
+            f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
+            + (f"measured {_mib(g['measured_peak_bytes'])}" if g["measured_peak_bytes"] is not None
+               else "measured n/a" if verify_plan
+               else "not measured (compile.verify_plan off)")
+            + ("" if g["profile_complete"] else f" [profile incomplete: {g['profile_error']}]")
+        )
+        for grp in g["prefetch"] or []:
+            where = "ahead, before" if grp["ahead"] else "at use, before"
+            lines.append(f"    prefetch {len(grp['ds_ids'])} param(s), {_mib(grp['bytes'])}, {where} {grp['launch_before']}")
+    total = sum(p["bytes"] for p in r["persistent"])
+    lines.append(f"  persistent: {len(r['persistent'])} param(s), {_mib(total)}"
+                 + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
+    for p in r["persistent"]:
+        lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
+    across = r.get("prefetch_across_graphs")
+    if across and across["links"]:
+        lines.append(f"  prefetch across graphs: {across['links']} link(s), {across['launched']} launched, "
+                     f"{across['held_back_for_memory']} held back by the budget")
+    return "\n".join(lines + offload)
+
+
+def _offloaded(r: Dict[str, Any]) -> str:
+    """What the offload plans in report ``r`` put on the host, in a few words."""
+    parts = []
+    joint = r.get("offload_plan")
+    if joint and joint.get("planned"):
+        parts += [f"{kind} {_mib(k['offloaded_bytes'])}" for kind, k in joint["kinds"].items() if k["offloaded_bytes"]]
+    else:
+        opt = r.get("optimizer_state_offload")
+        if opt and opt.get("offloaded_bytes"):
+            parts.append(f"optimizer states {_mib(opt['offloaded_bytes'])}")
+        act = r.get("activations")
+        if act and act.get("offload_activation") and act.get("offloaded_bytes"):
+            parts.append(f"activations {_mib(act['offloaded_bytes'])}")
+    return ", ".join(parts) if parts else "nothing"
+
+
+def summary_line(r: Dict[str, Any]) -> str:
+    """The schedule switch of report ``r`` in one line: the passes, the prefetch groups (and how
+    many run ahead of their use), what stays gathered, what is offloaded, and the highest
+    predicted peak against the memory budget."""
+    graphs = r.get("graphs", [])
+    groups = [g for graph in graphs for g in graph["prefetch"] or []]
+    ahead = sum(1 for g in groups if g["ahead"])
+    kept = sum(p["bytes"] for p in r.get("persistent", []))
+    peaks = [g["predicted_peak_bytes"] for g in graphs if g["predicted_peak_bytes"] is not None]
+    return (f"schedule switch at step {r['step']} ({r['entry']}): {len(groups)} prefetch group(s) in "
+            f"{len(graphs)} graph(s), {ahead} ahead of use; {len(r.get('persistent', []))} parameter(s) kept "
+            f"gathered ({_mib(kept)}); offloaded: {_offloaded(r)}; predicted peak "
+            f"{_mib(max(peaks)) if peaks else 'n/a'} of a {_mib(r['budget_bytes'])} budget")
+
+
+class ReportDict(dict):
+    """``engine.schedule_report()``: the report as a plain dict (JSON-ready, read by key as
+    before), plus :meth:`to_text` and ``str()`` for reading it."""
+
+    def __init__(self, report: Dict[str, Any], verify_plan: bool = True):
+        super().__init__(report)
+        self.verify_plan = verify_plan
+
+    def to_text(self) -> str:
+        return format_schedule_report(self, self.verify_plan)
+
+    def __str__(self) -> str:
+        return self.to_text()
