@@ -1,7 +1,7 @@
 # Sourced by the GPU runs (scripts/gpu_*.sh and bench/results/recipes/*.sh; not run on its own):
 # the repository root as working directory, $OUT for logs, the GPU machine's system compilers (its
-# default g++ builds an extension that crashes: NOTES.md "GPU machine toolchain") and `gpu_build`,
-# the incremental build of the extension into the installed package.
+# default g++ builds an extension that crashes: bench/results/gpu-runs.md, "GPU machine toolchain")
+# and `gpu_build`, the incremental build of the extension into the installed package.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -10,6 +10,12 @@ export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-
 gpu_build() {  # build log in $OUT/build.log; on failure its tail, and the calling script exits
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
+}
+
+world_size_summary() {  # $1: a pytest log. Its count of tests that ran at world size 1 only (tests/conftest.py)
+  # On one GPU most distributed suites run at one rank, where gathers, reduce-scatters and
+  # averaging are identities: a GPU run says how much of it was that.
+  grep -h "^world sizes:" "$1" || echo "world sizes: no distributed test ran (no summary in $1)"
 }
 
 gpu_environment() {  # the machine, the library versions and the source digest, also to $OUT/env.txt
