@@ -1,7 +1,7 @@
 """All-gather bandwidth: deepcompile's runtime gather against plain NCCL, side by side.
 
     torchrun --nproc-per-node 2 bench/comm_bench.py [--sizes-mib 16,64,256,1024] [--iters 10]
-                                                    [--markdown bench/RESULTS.md]
+                                                    [--markdown bench/results/DATE.md]
 
 For each size (bytes of the *gathered* tensor, bf16 on GPU, fp32 on CPU):
 

@@ -2,7 +2,7 @@
 ``save_checkpoint``, ``load_checkpoint`` (into a second engine built on ``meta`` without
 ``init_fn``) and ``save_hf``, with the disk's own bandwidth (``dd``) measured in the same run.
 
-    torchrun --nproc-per-node 1 bench/model_state_bench.py --dir /tmp/state --markdown RESULTS.md
+    torchrun --nproc-per-node 1 bench/model_state_bench.py --dir /tmp/state --markdown bench/results/DATE.md
 
 Defaults: a 7B-class Llama (hidden 4096, 32 layers, intermediate 11008, vocab 32000), bf16
 training dtype, ZeRO-3. No training step runs, so the checkpoint holds the fp32 master weights

@@ -22,6 +22,7 @@ from deepcompile.offload import optimizer_state_offload
 from deepcompile.offload.activations import activation_memory
 from deepcompile.offload.joint import joint_offload, measured_compute
 from deepcompile.offload.settings import parameter_offload_keys
+from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.scheduling.schedule import PassSchedule
@@ -74,8 +75,10 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the runtime's streams and communicator use it
         _check_implemented(config)
-        if config.bf16.enabled:
-            optim_builder.cast_floating_parameters(model, torch.bfloat16)
+        # The dtypes of parameters, masters and reductions, and fp16's loss scaling (precision/).
+        self.precision = PrecisionPolicy.from_config(config)
+        if self.precision.param_dtype is not None:
+            optim_builder.cast_floating_parameters(model, self.precision.param_dtype)
         optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
@@ -91,6 +94,10 @@ class Engine:
         # The torch optimizer itself (ZeRO-3 wraps it): what schedules and get_lr() act on.
         self.basic_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.lr_scheduler = optim_builder.configure_scheduler(self.basic_optimizer, config, lr_scheduler)
+        self.loss_scaler = self.precision.make_loss_scaler()
+        # As DeepSpeed reports skipped steps (Trainer and accelerate read optimizer.overflow).
+        self.skipped_steps = 0
+        self._report_overflow(False)
         # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
         self.offload = optimizer_state_offload(config, self.sharding, self.device, self.group)
         self.step_report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.rank, self.device)
@@ -181,7 +188,7 @@ class Engine:
         self.step_report.start("backward")
         try:
             with self._first_runs("backward", self._compiled is not None):
-                (loss / self.gradient_accumulation_steps).backward()
+                (self.loss_scaler.scale_loss(loss) / self.gradient_accumulation_steps).backward()
         finally:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
@@ -208,16 +215,23 @@ class Engine:
             self.offload.before_step()
         if self.activations is not None:
             self.activations.before_step(self.global_steps)
-        norm = self.sharding.step(self.config.gradient_clipping)
+        scale = self.loss_scaler.loss_scale  # what this step's gradients carry (fp16), for the report
+        norm = self.sharding.step(self.config.gradient_clipping, self.loss_scaler.grad_scale)
         self._global_grad_norm = norm
         if self.offload is not None:
             self.offload.after_step()
-        # As DeepSpeed: the schedule advances once per optimizer step, at the accumulation boundary.
-        if self.lr_scheduler is not None:
+        # fp16: an overflow on any rank skipped the update on every rank. As DeepSpeed: the step
+        # still counts in global_steps, but not in the LR schedule, which advances once per
+        # applied optimizer step, at the accumulation boundary.
+        overflow = self.loss_scaler.after_step(norm)
+        self._report_overflow(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_report.stop("step")
         self.global_steps += 1
-        self.step_report.after_optimizer_step(self.global_steps, self.get_lr(), norm, self.group)
+        self.step_report.after_optimizer_step(self.global_steps, self.get_lr(), norm, self.group, loss_scale=scale)
         if self.scheduler.on_optimizer_step(self.global_steps):
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
@@ -225,10 +239,18 @@ class Engine:
             self._first_runs.reset()
         return norm
 
+    def _report_overflow(self, overflow: bool) -> None:
+        """DeepSpeed's optimizer attributes: ``overflow`` (the last step was skipped) and, in fp16,
+        ``cur_scale``/``loss_scale`` (the scale the next backward uses)."""
+        self.optimizer.overflow = overflow
+        if self.loss_scaler.loss_scale is not None:
+            self.optimizer.cur_scale = self.optimizer.loss_scale = self.loss_scaler.loss_scale
+
     def get_global_grad_norm(self) -> Optional[float]:
         """The global L2 norm of the last optimizer step's gradients, before clipping (as
         ``torch.nn.utils.clip_grad_norm_`` returns it); None before the first step. Computed at
-        every step, on every stage, whether or not gradient_clipping is set."""
+        every step, on every stage, whether or not gradient_clipping is set. fp16: the norm of the
+        unscaled gradients; inf or nan at a step skipped for an overflow."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def _check_initialised(self) -> None:
@@ -262,6 +284,8 @@ class Engine:
         """compile.debug_checks at the optimizer step: every gradient of the window arrived once,
         and the reduced gradient partitions are finite."""
         self._ledger.check_window(runtime.reduce_counts())
+        if self.precision.loss_scaling is not None:
+            return  # fp16: an overflow is expected now and then; the step skips it (precision/)
         grads = {name: runtime.grad_target(ds_id) for ds_id, name in self._ledger.names.items()}
         debug_checks.check_finite("reduced gradients", grads)
 

@@ -10,6 +10,8 @@ INFO level (configure ``logging`` to see it)::
   micro-batches per rank, the loss of the global batch);
 * ``grad norm``: the global L2 norm of that step's gradients before clipping
   (``engine.get_global_grad_norm()``);
+* ``loss scale`` (fp16 only): the loss scale that step's gradients carried (``precision/``); a
+  step skipped for an overflow shows an inf or nan grad norm;
 * ``tokens/s``: tokens trained on by all ranks since the previous line, over the wall time since
   then. A micro-step's tokens are the elements of the forward's ``input_ids`` argument, else of
   its first integer tensor argument, unless ``engine.backward(loss, tokens=n)`` gives them; "n/a"
@@ -118,10 +120,11 @@ class StepReport:
     # ---- at each optimizer step ---------------------------------------------------------------
 
     def after_optimizer_step(self, global_step: int, lrs: List[float], grad_norm: Optional[torch.Tensor] = None,
-                             group: Optional[dist.ProcessGroup] = None) -> None:
+                             group: Optional[dist.ProcessGroup] = None, loss_scale: Optional[float] = None) -> None:
         """Called on every rank once per optimizer step with the new step count, the learning
         rates and the step's gradient norm; every ``steps_per_print`` steps all ranks reduce the
-        numbers and rank 0 logs them."""
+        numbers and rank 0 logs them. ``loss_scale``: fp16's loss scale at this step (logged when
+        given)."""
         self._steps_in_window += 1
         window_loss, window_n = self._window_loss, self._window_micro_steps
         self._window_loss, self._window_micro_steps = None, 0
@@ -143,6 +146,9 @@ class StepReport:
         }
         line = f"step {global_step}: lr {', '.join(f'{lr:.6g}' for lr in lrs)}"
         line += f" | loss {_fmt(values['loss'], '.4f')} | grad norm {_fmt(norm, '.4g')}"
+        if loss_scale is not None:
+            values["loss_scale"] = loss_scale
+            line += f" | loss scale {loss_scale:g}"
         line += f" | tokens/s {_fmt(values['tokens_per_s'], '.0f')}"
         peak = values["peak_memory_bytes"]
         line += f" | peak memory {peak / 2**30:.2f} GiB" if peak is not None else " | peak memory n/a"

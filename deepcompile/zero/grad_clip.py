@@ -18,7 +18,8 @@ def local_square_norm(grads: Sequence[torch.Tensor], device: torch.device) -> to
 
 
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup],
-                    device: torch.device, spent_square: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    device: torch.device, spent_square: Optional[torch.Tensor] = None,
+                    grad_scale: Optional[float] = None) -> torch.Tensor:
     """Scale ``grads`` in place so that the L2 norm of all ranks' gradients together is at most
     ``max_norm`` (no scaling when ``max_norm <= 0``); returns that norm (fp32, on ``device``).
 
@@ -30,14 +31,30 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, group: Optio
     ``spent_square``: the sum of squares of gradients this rank already stepped and dropped in
     this window (``compile.optimizer_step_in_backward``): they count in the norm; nothing scales
     them (that option refuses clipping).
+
+    ``grad_scale``: the fp16 loss scale the gradients carry (precision/loss_scaler.py). They are
+    unscaled together with the clipping (one multiplication), and the norm returned is that of
+    the unscaled gradients. A non-finite norm is an overflow on some rank: the gradients are then
+    left as they are, for the caller to drop (this reads the norm on the host).
     """
     local_sq = local_square_norm(grads, device)
     if spent_square is not None:
         local_sq = local_sq + spent_square
     dist.all_reduce(local_sq, group=group)
-    norm = local_sq.sqrt().float()
+    if grad_scale is None:
+        norm = local_sq.sqrt().float()
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1:
+                compat.foreach_mul_(grads, coef)
+        return norm
+    norm = (local_sq.sqrt() / grad_scale).float()
+    if not bool(torch.isfinite(norm)):
+        return norm
     if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            compat.foreach_mul_(grads, coef)
+        # The clipping factor as the unscaled path computes it (fp32, at most 1), times 1/scale.
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) / grad_scale
+        compat.foreach_mul_(grads, coef)
+    elif grad_scale != 1.0:
+        compat.foreach_mul_(grads, 1.0 / grad_scale)
     return norm

@@ -73,11 +73,13 @@ class ShardedOptimizer:
 
         runtime.unbind_grad_targets([sp.ds_id for sp in self.trainable])
 
-    def clip_grad_norm(self, max_norm: float, spent_square: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, spent_square: Optional[torch.Tensor] = None,
+                       grad_scale: Optional[float] = None) -> torch.Tensor:
         """Clip by the global L2 norm over all ranks' partitions; returns the norm.
-        ``spent_square``: squares of gradients already stepped in this window (zero/backward_step.py)."""
+        ``spent_square``: squares of gradients already stepped in this window (zero/backward_step.py).
+        ``grad_scale``: the fp16 loss scale to divide out (grad_clip.clip_grad_norm_)."""
         device = self.params[0].shard.device if self.params else torch.device("cpu")
-        return clip_grad_norm_(self.grads(), max_norm, self.group, device, spent_square)
+        return clip_grad_norm_(self.grads(), max_norm, self.group, device, spent_square, grad_scale=grad_scale)
 
     def step(self, sub_group_size: Optional[int] = None, hooks: Optional[SubGroupHooks] = None,
              already_stepped: Iterable[int] = ()) -> None:

@@ -80,12 +80,18 @@ class Sharding(abc.ABC):
         accumulation window for this backward."""
 
     @abc.abstractmethod
-    def step(self, gradient_clipping: float) -> torch.Tensor:
+    def step(self, gradient_clipping: float, grad_scale: Optional[float] = None) -> torch.Tensor:
         """The optimizer step at an accumulation boundary: clip the reduced gradients to the
         global norm ``gradient_clipping`` (0: no clipping), update the master weights, drop the
         gradient partitions and make the module's parameters reflect the update. Returns the
         global L2 norm of the gradients before clipping (a 0-dim fp32 tensor on the device,
-        computed every step; reading it is the caller's host synchronisation)."""
+        computed every step; reading it is the caller's host synchronisation).
+
+        ``grad_scale``: the fp16 loss scale the gradients carry (None: none). They are unscaled
+        before clipping, and a non-finite global norm (an overflow on any rank: every rank sees
+        the same norm) skips the update on every rank: the gradient partitions are dropped, the
+        master weights and optimizer state stay as they were, and the norm returned is
+        non-finite (``precision.loss_scaler.found_overflow``)."""
 
     @abc.abstractmethod
     def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import debug_checks, runtime
+from deepcompile.precision.loss_scaler import found_overflow
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
@@ -105,12 +106,16 @@ class Zero12Sharding(Sharding):
                 if piece.owned:
                     runtime.bind_grad_target(piece.ds_id, g.grad[piece.in_partition], zero=False)
 
-    def step(self, gradient_clipping: float) -> torch.Tensor:
+    def step(self, gradient_clipping: float, grad_scale: Optional[float] = None) -> torch.Tensor:
         # The optimizer-facing partitions exist: the runtime lets go of them before the step.
         runtime.unbind_grad_targets()
         grads = [g.grad if g.grad is not None else torch.zeros_like(g.master) for g in self.groups]
         # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
-        norm = clip_grad_norm_(grads, gradient_clipping, self.group, self.device)
+        norm = clip_grad_norm_(grads, gradient_clipping, self.group, self.device, grad_scale=grad_scale)
+        if grad_scale is not None and found_overflow(norm):
+            for g in self.groups:  # skipped on every rank: the replicated parameters stay as they are
+                g.grad = None
+            return norm
         # A parameter that got no gradient in this window keeps its values, as torch skips it.
         # (Its slice of the flat optimizer state still advances with a zero gradient.)
         untouched = self._unreduced_slices()

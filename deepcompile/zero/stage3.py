@@ -9,6 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import compat, runtime
+from deepcompile.precision.loss_scaler import found_overflow
+from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.backward_step import BackwardStep
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
@@ -40,8 +42,8 @@ class Zero3Sharding(Sharding):
         # a time (zero/sub_groups.py); DeepSpeed's default when unset.
         self.sub_group_size = config.zero_optimization.sub_group_size or DEFAULT_SUB_GROUP_SIZE
         # communication_data_type: trainable gradients are reduced in this dtype, and their
-        # partitions are allocated in it (fp32 unless "bf16").
-        reduce_dtype = config.zero3_reduce_dtype()
+        # partitions are allocated in it (fp32 unless "bf16"; precision/policy.py).
+        reduce_dtype = PrecisionPolicy.from_config(config).zero3_reduce_dtype
         runtime.register_z3_params(
             [sp.ds_id for sp in self.params],
             [list(sp.shape) for sp in self.params],
@@ -67,12 +69,17 @@ class Zero3Sharding(Sharding):
         # reduction in the window.
         runtime.start_backward(boundary)
 
-    def step(self, gradient_clipping: float) -> torch.Tensor:
+    def step(self, gradient_clipping: float, grad_scale: Optional[float] = None) -> torch.Tensor:
         # The global norm is computed every step (gradient_clipping 0: nothing is scaled).
         stepped, spent_square = [], None
         if self.backward_step is not None:  # some parameters may have stepped in the backward
             stepped, spent_square = self.backward_step.end_window(runtime.reduce_counts())
-        norm = self.optimizer.clip_grad_norm(gradient_clipping, spent_square)
+        norm = self.optimizer.clip_grad_norm(gradient_clipping, spent_square, grad_scale=grad_scale)
+        if grad_scale is not None and found_overflow(norm):
+            # Skipped on every rank: the masters (the gather sources) are unchanged, so gathered
+            # copies stay valid.
+            self.optimizer.zero_grad()
+            return norm
         self.optimizer.step(self.sub_group_size, self.sub_group_hooks, already_stepped=stepped)
         self.optimizer.zero_grad()
         # The master shards (the gather sources) changed in place: gathered copies (persistent
