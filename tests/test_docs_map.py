@@ -75,8 +75,7 @@ def _exists(path):
 
 def mentioned_paths(markdown):
     """Repository paths named in code spans and fenced blocks, split into words."""
-    code = [block for block in _FENCE.findall(markdown)]
-    code += _CODE_SPAN.findall(_FENCE.sub("", markdown))
+    code = _FENCE.findall(markdown) + _CODE_SPAN.findall(_FENCE.sub("", markdown))
     paths = []
     for text in code:
         for token in re.split(r"[\s=,]+", text):
