@@ -206,12 +206,13 @@ def test_fp16_static_scale_matches_single_process_fp16(stage, compiled, gas, cli
 # ---- an overflow on one rank ------------------------------------------------------------------------
 
 
-def _overflow_body(ctx, stage, hysteresis, checkpoint_dir):
+def _overflow_body(ctx, stage, hysteresis, poisoned, scales, checkpoint_dir):
+    """Steps ``poisoned`` overflow on the last rank; ``scales``: the scale each step's loss is
+    multiplied by, as DeepSpeed moves it."""
     import deepcompile
 
     torch._dynamo.reset()
-    steps = 5
-    poisoned = {1} if hysteresis == 1 else {1, 2}  # hysteresis 2: the second overflow in a row halves
+    steps, poisoned = len(scales), set(poisoned)
     model = build_model("mlp", device=ctx.device)
     fp16 = {"loss_scale": 0, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000}
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), engine_config(stage, fp16),
@@ -219,8 +220,6 @@ def _overflow_body(ctx, stage, hysteresis, checkpoint_dir):
     current = {"step": 0}
     if ctx.rank == ctx.world_size - 1:  # only the last rank's gradients overflow
         poison_on(model, lambda: current["step"] in poisoned)
-    # The scale each step's loss is multiplied by, as DeepSpeed moves it.
-    scales = [256.0, 256.0, 128.0, 128.0, 128.0] if hysteresis == 1 else [256.0, 256.0, 256.0, 128.0, 128.0]
     want, _ = reference(steps, scales, skipped=poisoned)
     before = {"params": _params(engine)}
 
@@ -253,7 +252,8 @@ def _overflow_body(ctx, stage, hysteresis, checkpoint_dir):
     if checkpoint_dir is None:
         engine.destroy()
         return
-    # The scale and its counters survive a checkpoint: a fresh engine starts at 256 and loads 128.
+    # The scale and its counters survive a checkpoint: a fresh engine starts at 256 and loads the
+    # lowered one.
     saved = engine.loss_scaler.state_dict()
     engine.save_checkpoint(checkpoint_dir)
     engine.destroy()
@@ -263,17 +263,29 @@ def _overflow_body(ctx, stage, hysteresis, checkpoint_dir):
                                      lr_scheduler=make_scheduler, device=ctx.device)
     assert resumed.loss_scaler.loss_scale == 256.0
     resumed.load_checkpoint(checkpoint_dir)
-    assert resumed.loss_scaler.state_dict() == saved and resumed.loss_scaler.loss_scale == 128.0
+    assert resumed.loss_scaler.state_dict() == saved and resumed.loss_scaler.loss_scale == scales[-1] < 256.0
     assert resumed.skipped_steps == len(poisoned)
     resumed.destroy()
 
 
+# (stage, hysteresis, poisoned steps, the scale of each step)
+OVERFLOWS = {
+    "zero1": (1, 1, (1,), (256.0, 256.0, 128.0, 128.0, 128.0)),
+    "zero2": (2, 1, (1,), (256.0, 256.0, 128.0, 128.0, 128.0)),
+    "zero3": (3, 1, (1,), (256.0, 256.0, 128.0, 128.0, 128.0)),
+    # Hysteresis 2: the first overflow is tolerated, the second in a row halves.
+    "zero3-hysteresis2": (3, 2, (1, 2), (256.0, 256.0, 256.0, 128.0, 128.0)),
+    # The first steps overflow before any optimizer state exists (common with the default 2**16).
+    "zero2-first-steps": (2, 1, (0, 1), (256.0, 128.0, 64.0, 64.0)),
+}
+
+
 @pytest.mark.world_size(WORLD)
-@pytest.mark.parametrize("stage,hysteresis", [(1, 1), (2, 1), (3, 1), (3, 2)])
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(stage, hysteresis):
-    run_distributed(_overflow_body, WORLD, args=(stage, hysteresis, None), timeout=300)
+@pytest.mark.parametrize("case", sorted(OVERFLOWS))
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(case):
+    run_distributed(_overflow_body, WORLD, args=(*OVERFLOWS[case], None), timeout=300)
 
 
 @pytest.mark.world_size(WORLD)
 def test_fp16_checkpoint_saves_and_restores_the_loss_scale(tmp_path):
-    run_distributed(_overflow_body, WORLD, args=(2, 1, str(tmp_path / "ckpt")), timeout=300)
+    run_distributed(_overflow_body, WORLD, args=(*OVERFLOWS["zero2"], str(tmp_path / "ckpt")), timeout=300)
