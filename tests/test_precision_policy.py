@@ -1,0 +1,43 @@
+"""The dtypes of the training state, decided once from the config (deepcompile/precision/policy.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from deepcompile.precision.loss_scaler import LossScaler, NoLossScaling
+from deepcompile.precision.policy import PrecisionPolicy
+
+
+def config(bf16=False, fp16=False, communication_data_type=None, **fp16_keys):
+    """The three config entries the policy reads, as a resolved Config holds them."""
+    scaling = dict(loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
+                   consecutive_hysteresis=False, min_loss_scale=1.0)
+    scaling.update(fp16_keys)
+    return SimpleNamespace(bf16=SimpleNamespace(enabled=bf16), fp16=SimpleNamespace(enabled=fp16, **scaling),
+                           communication_data_type=communication_data_type)
+
+
+def test_fp32_training_keeps_the_model_dtype_and_scales_nothing():
+    p = PrecisionPolicy.from_config(config())
+    assert p.param_dtype is None and p.master_dtype is torch.float32 and p.zero3_reduce_dtype is torch.float32
+    assert p.loss_scaling is None and isinstance(p.make_loss_scaler(), NoLossScaling)
+
+
+def test_bf16_casts_parameters_and_keeps_fp32_masters_without_loss_scaling():
+    p = PrecisionPolicy.from_config(config(bf16=True, communication_data_type="bf16"))
+    assert p.param_dtype is torch.bfloat16 and p.master_dtype is torch.float32
+    assert p.zero3_reduce_dtype is torch.bfloat16
+    assert p.loss_scaling is None
+
+
+def test_fp16_casts_parameters_and_scales_the_loss_with_the_sections_keys():
+    p = PrecisionPolicy.from_config(config(fp16=True, initial_scale_power=5, hysteresis=1, communication_data_type="fp32"))
+    assert p.param_dtype is torch.float16 and p.master_dtype is torch.float32
+    assert p.zero3_reduce_dtype is torch.float32
+    scaler = p.make_loss_scaler()
+    assert isinstance(scaler, LossScaler) and scaler.dynamic and scaler.loss_scale == 32.0
+    assert scaler.settings.hysteresis == 1
+    static = PrecisionPolicy.from_config(config(fp16=True, loss_scale=128.0)).make_loss_scaler()
+    assert not static.dynamic and static.loss_scale == 128.0
