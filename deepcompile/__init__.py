@@ -12,9 +12,10 @@ from deepcompile.compiler.compiled_module import deepcompile_backend
 from deepcompile.config import Config
 from deepcompile.engine import Engine, initialize
 from deepcompile.scheduling.report import format_schedule_report
+from deepcompile.integrations import serve_as_deepspeed
 from deepcompile.zero.leaf_modules import set_leaf_modules
 
 __all__ = ["Config", "Engine", "format_schedule_report", "initialize", "load_hf_weights", "runtime",
-           "set_leaf_modules"]
+           "serve_as_deepspeed", "set_leaf_modules"]
 
 compat.register_backend("deepcompile", deepcompile_backend)

@@ -1,0 +1,68 @@
+"""deepcompile's ``deepspeed``: what ``import deepspeed`` returns after
+``deepcompile.serve_as_deepspeed()``.
+
+The part of DeepSpeed's public surface that Hugging Face Trainer and accelerate use on their
+ZeRO paths (read from their sources; docs/huggingface.md lists it), implemented over
+:class:`deepcompile.Engine`. Every other name raises an error that names it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Optional, Tuple
+
+from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, runtime, utils, zero  # noqa: F401
+from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.integrations.deepspeed_api.comm import init_distributed
+from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSpeedEngine
+
+# The DeepSpeed release whose interface this follows (transformers and accelerate gate features
+# on it); the local label says who implements it.
+DEEPSPEED_API_VERSION = "0.19.8"
+__version__ = DEEPSPEED_API_VERSION + "+deepcompile"
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
+
+
+def _config_dict(config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ValueError("deepspeed.initialize: pass the config as config= or config_params=, not both")
+    cfg = config if config is not None else config_params
+    if cfg is None:
+        raise ValueError("deepspeed.initialize needs a config (config= or config_params=)")
+    return cfg
+
+
+def _as_deepcompile_config(cfg: Any) -> Any:
+    """The config as deepcompile reads it. accelerate writes ``steps_per_print: inf`` to silence
+    DeepSpeed's per-step log; deepcompile's key takes integers, so "never" becomes the largest."""
+    if isinstance(cfg, dict) and cfg.get("steps_per_print") == float("inf"):
+        cfg = dict(cfg, steps_per_print=sys.maxsize)
+    return cfg
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: Any = None, mpu: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None) -> Tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, None, lr_scheduler)``, the
+    engine a :class:`DeepSpeedEngine` over :class:`deepcompile.Engine`."""
+    for name, value in (("training_data", training_data), ("mpu", mpu), ("mesh_param", mesh_param),
+                        ("collate_fn", collate_fn)):
+        if value is not None:
+            raise missing(f"deepspeed.initialize({name}=...)")
+    if args is not None and getattr(args, "deepspeed_config", None) and config is None and config_params is None:
+        config = args.deepspeed_config
+    cfg = _config_dict(config, config_params)
+    if model is None:
+        raise ValueError("deepspeed.initialize needs a model")
+    init_distributed()
+    from deepcompile.config import Config
+
+    engine = BoundaryEngine(model, optimizer, Config.from_any(_as_deepcompile_config(cfg)), lr_scheduler=lr_scheduler,
+                            model_parameters=model_parameters)
+    raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else Config.from_any(cfg).to_dict()
+    wrapped = DeepSpeedEngine(engine, raw)
+    return wrapped, wrapped.optimizer, None, engine.lr_scheduler
+
+
+__getattr__ = module_getattr("deepspeed")

@@ -1,0 +1,263 @@
+"""``deepspeed.DeepSpeedEngine``: DeepSpeed's engine interface over a :class:`deepcompile.Engine`.
+
+An ``nn.Module`` holding the model as ``.module`` (as DeepSpeed's does: accelerate unwraps it
+there, Trainer calls ``train()``/``eval()`` and ``zero_grad()`` on it), whose methods are those
+Trainer and accelerate call. Any other attribute raises an error naming it.
+
+Gradient accumulation. DeepSpeed callers drive the window two ways: ``backward``/``step`` after
+every micro-batch (the engine counts), or, as accelerate does, ``set_gradient_accumulation_boundary``
+before each ``backward`` and ``step`` only at the boundary. deepcompile's engine counts micro-steps
+in ``step`` (checkpoints and the accumulation window rely on that count), so a backward that is
+not at a boundary advances the count itself, and a ``step`` right after it is the no-op it is in
+DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from deepcompile.engine import Engine
+from deepcompile.integrations.deepspeed_api._missing import missing
+
+
+class BoundaryEngine(Engine):
+    """deepcompile's engine whose accumulation boundary the caller may set (DeepSpeed's
+    ``set_gradient_accumulation_boundary``); None: counted, as deepcompile does."""
+
+    boundary_override: Optional[bool] = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self.boundary_override is not None:
+            return self.boundary_override
+        return super().is_gradient_accumulation_boundary()
+
+
+class OptimizerView:
+    """What ``deepspeed.initialize`` returns as the optimizer: the parameter groups (the LR a
+    schedule sets), and DeepSpeed's ``overflow``. Stepping is the engine's (``engine.step()``)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self._engine.basic_optimizer.param_groups
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        return self._engine.basic_optimizer.defaults
+
+    @property
+    def overflow(self) -> bool:
+        return bool(getattr(self._engine.optimizer, "overflow", False))
+
+    @property
+    def cur_scale(self) -> Any:
+        return getattr(self._engine.optimizer, "cur_scale", 1.0)
+
+    loss_scale = cur_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are the engine's, cleared by its step: nothing to do (as DeepSpeed)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the optimizer deepspeed.initialize returned steps through engine.step() "
+                           "(accelerate and Trainer call it for you)")
+
+    def __getattr__(self, name: str):
+        raise missing(f"the DeepSpeed optimizer's {name}")
+
+
+class DeepSpeedEngine(nn.Module):
+    def __init__(self, engine: BoundaryEngine, config: Dict[str, Any]):
+        super().__init__()
+        object.__setattr__(self, "engine", engine)  # not a submodule: .module is the model
+        self.module = engine.module
+        self.config = config  # the dict as given (Trainer reads config["zero_optimization"]["stage"])
+        self._optimizer_view = OptimizerView(engine)
+        self._advanced_in_backward = False
+
+    # ---- training -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training and torch.is_grad_enabled():
+            return self.engine(*args, **kwargs)
+        # Evaluation: no backward follows, so none of the engine's micro-step accounting applies;
+        # the model's ZeRO hooks gather what it uses.
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
+                 **kwargs: Any) -> torch.Tensor:
+        if retain_graph:
+            raise missing("DeepSpeedEngine.backward(retain_graph=True)")
+        if kwargs:
+            raise missing(f"DeepSpeedEngine.backward arguments {sorted(kwargs)}")
+        gas = self.engine.gradient_accumulation_steps
+        # The engine divides by gradient_accumulation_steps; a caller that already did
+        # (scale_wrt_gas=False, as Trainer) gets the division undone (exact for powers of two).
+        self.engine.backward(loss if scale_wrt_gas else loss * gas)
+        self._advanced_in_backward = not self.engine.is_gradient_accumulation_boundary()
+        if self._advanced_in_backward:
+            self.engine.step()  # not a boundary: only counts the micro-step
+        return loss
+
+    def step(self, lr_kwargs: Any = None) -> None:
+        if lr_kwargs is not None:
+            raise missing("DeepSpeedEngine.step(lr_kwargs=...)")
+        if self._advanced_in_backward:
+            self._advanced_in_backward = False
+            return
+        engine = self.engine
+        stepped = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if stepped and engine.micro_steps % engine.gradient_accumulation_steps:
+            # The caller ended the window early (accelerate at the end of an epoch): the next
+            # window starts here, as in DeepSpeed.
+            engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.engine.boundary_override = bool(is_boundary)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's step clears the gradients it owns; Trainer calls this after it."""
+
+    def compile(self, backend: Any = None, compile_kwargs: Optional[Dict[str, Any]] = None,
+                schedule: Any = None, **kwargs: Any) -> None:
+        """accelerate calls this when a dynamo backend is configured (DeepSpeed's DeepCompile is
+        ``"compile": {"deepcompile": true}`` plus this call)."""
+        if schedule is not None:
+            raise missing("DeepSpeedEngine.compile(schedule=...) (deepcompile schedules from compile.* keys)")
+        name = backend if isinstance(backend, str) and backend else "inductor"
+        self.engine.compile(name.lower(), **dict(compile_kwargs or {}), **kwargs)
+
+    def destroy(self) -> None:
+        self.engine.destroy()
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> OptimizerView:
+        return self._optimizer_view
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_steps * self.train_batch_size()
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(getattr(self.engine, "skipped_steps", 0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    dp_world_size = world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.engine.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.stage > 0
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.engine.config.bf16.enabled)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.engine.config.fp16.enabled)
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.engine.get_global_grad_norm()
+
+    def get_lr(self) -> List[float]:
+        return self.engine.get_lr()
+
+    def was_step_applied(self) -> bool:
+        return not self.optimizer.overflow
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+        """The full state dict in the training dtype on rank 0 (``{}`` on the others), gathered one
+        parameter at a time. Collective."""
+        state = self.engine.full_state_dict()
+        if exclude_frozen_parameters and state:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.engine.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        if exclude_frozen_parameters and any(not p.requires_grad for p in self.module.parameters()):
+            raise missing("DeepSpeedEngine.save_checkpoint(exclude_frozen_parameters=True) with frozen parameters")
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: Any, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None):
+        if custom_load_fn is not None:
+            raise missing("DeepSpeedEngine.load_checkpoint(custom_load_fn=...)")
+        if not load_module_strict:
+            raise missing("DeepSpeedEngine.load_checkpoint(load_module_strict=False)")
+        self._advanced_in_backward = False
+        return self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=load_lr_scheduler_states,
+                                           load_module_only=load_module_only)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules
+        except AttributeError:
+            pass
+        raise missing(f"DeepSpeedEngine.{name}")

@@ -1,0 +1,98 @@
+"""accelerate's DeepSpeed ZeRO-3 path running on deepcompile (deepcompile.serve_as_deepspeed()).
+
+The real accelerate loop (examples/hf_accelerate.py: ``Accelerator``, ``prepare``,
+``accelerator.backward``, ``optimizer.step``, ``scheduler.step``, ``optimizer.zero_grad``) on two
+gloo ranks, configured by a DeepSpeedPlugin and by ``accelerate launch --config_file``, against
+the same training in one process with plain PyTorch on the same global batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import torch
+
+from _harness import hf_launch
+
+EXAMPLE = os.path.join(hf_launch.EXAMPLES, "hf_accelerate.py")
+DS_CONFIG = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3.json")
+LAUNCH_CONFIG = os.path.join(hf_launch.EXAMPLES, "accelerate_deepspeed.yaml")
+ROWS, MICRO, ACCUM, WORLD, LR = 48, 2, 2, 2, 1e-2
+
+# fp32 on CPU: the runs differ only in summation order (each rank's half-batch gradient, averaged
+# by the reduce-scatter, against one whole-batch gradient), ~1e-7 relative per step; AdamW at this
+# LR over 6 steps keeps the losses within ~1e-7 relative (measured). A wrong averaging, window
+# boundary, clipping or schedule step moves them by >1e-3.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    return hf_launch.accelerate_reference(ROWS, MICRO, ACCUM, WORLD, LR)
+
+
+def _args(out):
+    return ["--rows", str(ROWS), "--micro-batch", str(MICRO), "--accumulation", str(ACCUM), "--lr", str(LR),
+            "--out", str(out)]
+
+
+def _check(result):
+    ref = _reference()
+    assert result["world_size"] == WORLD
+    assert result["engine"] == "deepcompile.integrations.deepspeed_api.engine"  # deepcompile trained it
+    assert len(result["losses"]) == len(ref["losses"]) == ROWS // (MICRO * WORLD * ACCUM)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), **TOL)
+    torch.testing.assert_close(torch.tensor(result["lrs"]), torch.tensor(ref["lrs"]), rtol=1e-6, atol=1e-9)
+    assert result["losses"][-1] < result["losses"][0] - 0.3  # it learned
+
+
+def test_accelerate_deepspeed_plugin_matches_single_process(tmp_path):
+    out = tmp_path / "run.json"
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, *_args(out)], nproc=WORLD)
+    _check(hf_launch.read_json(out))
+
+
+def test_accelerate_launch_config_file_matches_single_process(tmp_path):
+    """``accelerate launch --config_file`` (distributed_type DEEPSPEED naming the DeepSpeed
+    config): the launcher sets ACCELERATE_* variables and the script builds its plugin from them."""
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "deepcompile.integrations.accelerate_launch", "--config_file", LAUNCH_CONFIG,
+           "--main_process_port", str(hf_launch._free_port()), EXAMPLE, *_args(out)]
+    hf_launch.run_checked(cmd, env=hf_launch.launch_env())
+    _check(hf_launch.read_json(out))
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=hf_launch.launch_env(), cwd=hf_launch.ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_served_deepspeed_names_what_it_does_not_implement():
+    proc = _python(
+        "import deepcompile; deepcompile.serve_as_deepspeed(); deepcompile.serve_as_deepspeed()\n"
+        "import importlib.metadata as md, deepspeed\n"
+        "print('version', md.version('deepspeed'))\n"
+        "from accelerate.utils import is_deepspeed_available; print('accelerate sees', is_deepspeed_available())\n"
+        "try:\n    deepspeed.init_inference\nexcept AttributeError as e:\n    print('attr:', e)\n"
+        "try:\n    import deepspeed.ops.adam\nexcept ImportError as e:\n    print('module:', e)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "version 0.19.8+deepcompile" in proc.stdout
+    assert "accelerate sees True" in proc.stdout
+    assert "attr: deepcompile does not implement deepspeed.init_inference" in proc.stdout
+    assert "module: deepcompile does not implement the module deepspeed.ops" in proc.stdout
+
+
+def test_serve_refuses_when_real_deepspeed_is_imported():
+    proc = _python("import sys, types; sys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
+                   "import deepcompile; deepcompile.serve_as_deepspeed()")
+    assert proc.returncode != 0
+    assert "the real deepspeed package is already imported" in proc.stderr
+
+
+def test_serve_refuses_after_accelerate_decided_deepspeed_is_absent():
+    proc = _python("import accelerate.accelerator\nimport deepcompile; deepcompile.serve_as_deepspeed()")
+    assert proc.returncode != 0
+    assert "must run before accelerate is imported" in proc.stderr
