@@ -2,7 +2,8 @@
 # GPU run of the test suite (the `device` machine: 2 GPUs, NCCL). Builds the extension with the
 # system g++ (the machine's /opt/gcc toolchain miscompiles exception messages), then runs every
 # pytest test with DC_TEST_DEVICE=cuda: the same multi-rank bodies on NCCL, one rank per GPU.
-# Logs and a JUnit report go to $OUT (or ./gpu-logs).
+# Logs and a JUnit report go to $OUT (or ./gpu-logs). The last line says how many tests ran at
+# world size 1 only (the JUnit report gives each test's world sizes).
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 {
@@ -12,4 +13,6 @@ source "$(dirname "$0")/gpu_prelude.sh"
 gpu_build
 DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -q -rs tests "$@" \
   --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -40
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+world_size_summary "$OUT/pytest.log"
+exit "$status"

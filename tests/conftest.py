@@ -13,12 +13,21 @@
   them (see ``_harness/multiproc.py``). Under ``DC_TEST_DEVICE=cuda`` the sizes follow the GPUs
   present: sizes above the GPU count skip with the reason, and when no default size fits (one
   GPU) the suites run at one rank per GPU (``multiproc.world_sizes``).
+* World sizes in test ids: every test that runs distributed bodies shows the world size of each
+  in its id (``ws2``), so a run at one rank (one GPU), where gathers, reduce-scatters and
+  averaging are identities, is visible as such. ``dist_world_size`` and parameters given
+  ``ids=multiproc.ws_id`` put it there; a test at one fixed size says it with
+  ``pytest.mark.world_size(n)`` (on the test, or ``pytestmark`` for a module), which adds
+  ``ws<n>`` to its id. A test whose bodies ran at a size its id does not show fails. At the end
+  the summary counts the tests that ran at world size 1 only (``world sizes: ...``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from typing import Dict, List
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS)
@@ -38,6 +47,64 @@ def pytest_configure(config):
         "markers",
         "gpu: needs CUDA; runs only with DC_TEST_DEVICE=cuda on a machine with GPUs",
     )
+    config.addinivalue_line(
+        "markers",
+        "world_size(n, ...): the test's distributed bodies run at world size n (or at each size given); its id "
+        "shows ws<n>",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    mark = metafunc.definition.get_closest_marker("world_size")
+    if mark is None or "dist_world_size" in metafunc.fixturenames:
+        return
+    sizes = mark.args  # a test may run bodies at several sizes (a checkpoint saved at 2, loaded at 3)
+    metafunc.parametrize("world_size_id", [sizes[0] if len(sizes) == 1 else sizes],
+                         ids=["-".join(multiproc.ws_id(n) for n in sizes)])
+
+
+@pytest.fixture(autouse=True)
+def world_size_id(request):
+    """The world size (or sizes) a ``world_size`` mark put in this test's id (None: no mark). Autouse so
+    that conftest can parametrize it for any test (pytest parametrizes only fixtures a test
+    uses)."""
+    return getattr(request, "param", None)
+
+
+# Test id -> the world sizes its distributed bodies ran at, for the summary.
+_RAN_AT: Dict[str, List[int]] = {}
+
+
+def _shown_world_sizes(item) -> List[int]:
+    callspec = getattr(item, "callspec", None)
+    return [int(n) for n in re.findall(r"(?:^|-)ws(\d+)(?=-|$)", callspec.id)] if callspec else []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    multiproc.ran_world_sizes.clear()
+    try:
+        result = yield
+    finally:
+        ran = sorted(set(multiproc.ran_world_sizes))
+        if ran:
+            _RAN_AT[item.nodeid] = ran
+            item.user_properties.append(("world_sizes", ",".join(map(str, ran))))
+    hidden = [n for n in ran if n not in _shown_world_sizes(item)]
+    if hidden:
+        raise AssertionError(
+            f"{item.nodeid} ran distributed bodies at world size {hidden} but its id does not say so: mark the "
+            f"test pytest.mark.world_size(n), use dist_world_size, or parametrize with ids=multiproc.ws_id")
+    return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RAN_AT:
+        return
+    only_one = [nodeid for nodeid, sizes in _RAN_AT.items() if sizes == [1]]
+    terminalreporter.write_line(
+        f"world sizes: {len(_RAN_AT)} tests ran distributed bodies, {len(only_one)} of them at world size 1 only "
+        "(gathers, reduce-scatters and averaging are identities there; their ids say ws1)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,7 +125,7 @@ def pytest_sessionfinish(session, exitstatus):
     multiproc.shutdown_pools()
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=multiproc.ws_id)
 def dist_world_size(request):
     multiproc.require_world_size(request.param)
     return request.param

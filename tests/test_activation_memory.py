@@ -36,6 +36,7 @@ from deepcompile.offload import activation_ops
 from deepcompile.offload.activation_ops import ActivationOffloader
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 # The training cases use models whose activations are below the GPU's minimum offload size.
 cpu_only = pytest.mark.skipif(multiproc.test_device_type() == "cuda", reason="CPU suite; the gpu tests run on GPUs")
 

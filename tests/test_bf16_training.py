@@ -25,6 +25,7 @@ from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimiz
 from test_sharded_init import LlamaLoss, hf_init
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 STEPS = 3
 
 

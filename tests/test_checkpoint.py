@@ -31,6 +31,8 @@ from _harness import multiproc
 from _harness.multiproc import require_world_size, run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, MLP, batch, build_model, make_optimizer
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 # Across world sizes and stages the gradients are summed in another order (other slices per rank,
 # other reduction trees), so fp32 results agree to rounding, not bitwise. The parity suites' fp32
 # tolerance (tests/test_zero3_parity.py) bounds that over a handful of steps: Adam's eps=1e-3
@@ -311,6 +313,7 @@ def _load_body(ctx, root, name, stage, k, m):
     engine.destroy()
 
 
+@pytest.mark.world_size(2, 3)
 def test_load_at_another_world_size_zero3_2_to_3(tmp_path):
     require_world_size(3)
     root = str(tmp_path / "ckpt")

@@ -13,6 +13,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import assert_parity, train_engine, train_reference
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 

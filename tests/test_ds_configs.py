@@ -30,6 +30,7 @@ from deepcompile.config import Config, ConfigError
 from _harness.multiproc import run_distributed
 
 WORLD = 2
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "ds_configs"
 
 SOURCES = {

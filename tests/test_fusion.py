@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from _harness.multiproc import run_distributed
+
+# One rank: the kernel counts of a graph do not depend on the world size.
+pytestmark = pytest.mark.world_size(1)  # the world size in every test id (conftest.py)
 
 
 def _generated_kernels(ctx, stage: int) -> int:

@@ -43,6 +43,7 @@ from _harness import multiproc
 from _harness.multiproc import run_distributed, single_world_size
 
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 KiB = 1024
 MiB = 1024 * KiB
 

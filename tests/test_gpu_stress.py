@@ -54,6 +54,7 @@ from _harness.parity_cases import RunResult, assert_parity, make_optimizer
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 
 # width: model width; ffn: hidden width of each block's MLP; depth: blocks; batch: rows per rank.
 GPU_SIZES = dict(width=1024, ffn=2048, depth=4, batch=64)

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness.multiproc import require_world_size, run_distributed
+from _harness.multiproc import require_world_size, run_distributed, ws_id
 from _harness.parity_cases import GLOBAL_BATCH, make_optimizer
 
 # The engine trains eagerly here and in the single-process reference, in fp32: only the
@@ -218,7 +218,7 @@ ROUNDTRIPS = [
 
 
 @pytest.mark.parametrize("world,name,stage,written,given,export", ROUNDTRIPS,
-                         ids=[f"w{c[0]}-{c[1]}-z{c[2]}-{c[3]}-{c[4]}" for c in ROUNDTRIPS])
+                         ids=[f"ws{c[0]}-{c[1]}-z{c[2]}-{c[3]}-{c[4]}" for c in ROUNDTRIPS])
 def test_load_train_export_reload(tmp_path, world, name, stage, written, given, export):
     require_world_size(world)
     folder = str(tmp_path / "pretrained")
@@ -280,7 +280,7 @@ def _write_altered(good: str, path: str, drop=(), replace=None, add=None) -> str
     return path
 
 
-@pytest.mark.parametrize("world,stage", [(2, 3), (3, 1)])
+@pytest.mark.parametrize("world,stage", [(2, 3), (3, 1)], ids=["ws2-z3", "ws3-z1"])
 def test_bad_files_raise_one_error_on_every_rank(tmp_path, world, stage):
     require_world_size(world)
     good = str(tmp_path / "good")
@@ -367,6 +367,7 @@ def _failed_export_body(ctx, good, out_dir):
     engine.destroy()
 
 
+@pytest.mark.world_size(2)
 def test_failed_export_keeps_the_earlier_one(tmp_path):
     require_world_size(2)
     good = str(tmp_path / "good")
@@ -409,7 +410,7 @@ def _export_memory_body(ctx, good, out_dir):
     engine.destroy()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3], ids=ws_id)
 def test_export_never_creates_a_full_parameter_off_rank_zero(tmp_path, world):
     require_world_size(world)
     good = str(tmp_path / "good")

@@ -161,6 +161,7 @@ def _body(ctx):
         _train(ctx, _config(S - 1))
 
 
+@pytest.mark.world_size(1)
 @cpu_only
 def test_joint_plan_choice_follows_the_budget():
     # One rank: the budgets above are computed from this rank's own candidates.
@@ -211,6 +212,7 @@ def _gpu_body(ctx):
     assert tight["predicted_peak_bytes"] <= tight["budget_bytes"], tight
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 @pytest.mark.gpu
 def test_gpu_joint_plan_parity_and_choice():
     run_distributed(_gpu_body, multiproc.single_world_size(), timeout=600)

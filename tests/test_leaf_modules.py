@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _harness.multiproc import run_distributed, single_world_size, world_sizes
+from _harness.multiproc import run_distributed, single_world_size, world_sizes, ws_id
 from _harness.parity_cases import GLOBAL_BATCH, make_optimizer
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # the expert loop runs eagerly on both sides: fp32 reduction order only
@@ -117,13 +117,14 @@ def _body(ctx, stage, backend, disable_loop, steps=3):
     engine.destroy()
 
 
-@pytest.mark.parametrize("world", world_sizes((2, 3)))
+@pytest.mark.parametrize("world", world_sizes((2, 3)), ids=ws_id)
 @pytest.mark.parametrize("stage", [3, 2, 1])
 @pytest.mark.parametrize("disable_loop", [True, False], ids=["disabled_loop", "graph_break"])
 def test_imbalanced_experts_in_an_eager_leaf(world, stage, disable_loop):
     run_distributed(_body, world, args=(stage, "eager", disable_loop), timeout=300)
 
 
+@pytest.mark.world_size(single_world_size())
 @pytest.mark.parametrize("stage", [3, 1])
 def test_imbalanced_experts_in_an_eager_leaf_inductor(stage):
     run_distributed(_body, single_world_size(), args=(stage, "inductor", False), timeout=600)

@@ -22,6 +22,8 @@ from _harness import multiproc
 from _harness.multiproc import run_distributed
 from test_hf_weights import FP32_TOL, _config, load_pretrained, tokens, write_pretrained
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 STEPS, SAVE_AT = 3, 2
 LR = 1e-3
 # Adam divides by sqrt(v): a gradient element near zero whose last bits differ between the sharded

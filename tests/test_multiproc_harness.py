@@ -49,6 +49,7 @@ def test_failing_rank_is_reported(dist_world_size):
     run_distributed(_body_all_reduce, dist_world_size, args=(1,))
 
 
+@pytest.mark.world_size(2)
 def test_dead_rank_is_reported():
     require_world_size(2)
     with pytest.raises(DistributedTestFailure, match="killed by signal"):
@@ -56,6 +57,7 @@ def test_dead_rank_is_reported():
     run_distributed(_body_all_reduce, 2, args=(1,))
 
 
+@pytest.mark.world_size(2)
 def test_hang_times_out():
     require_world_size(2)
     start = time.monotonic()

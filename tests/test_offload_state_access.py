@@ -27,6 +27,8 @@ from _harness import multiproc
 from _harness.multiproc import run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 CASES = {
     "z3": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
            # Several sub-groups: the step streams (before_sub_group / after_sub_group).
@@ -252,7 +254,7 @@ RESUMES = [(case, saved, loaded, warm) for case in sorted(CASES)
 
 @cpu_only
 @pytest.mark.parametrize("case,saved,loaded,warm", RESUMES,
-                         ids=[f"{c}-{s}to{l}-{'warm' if w else 'fresh'}" for c, s, l, w in RESUMES])
+                         ids=[f"{c}-ws{s}-ws{l}-{'warm' if w else 'fresh'}" for c, s, l, w in RESUMES])
 def test_load_into_offloaded_engine_then_train(tmp_path, case, saved, loaded, warm):
     root = str(tmp_path / "ckpt")
     run_distributed(_write_checkpoint_body, saved, args=(case, root, 3), timeout=300)
@@ -452,6 +454,7 @@ def _gpu_body(ctx, root: str):
               f"load peak - held {load_peak - held} B")
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 @pytest.mark.gpu
 def test_gpu_save_load_memory(tmp_path):
     run_distributed(_gpu_body, multiproc.single_world_size(), args=(str(tmp_path / "ckpt"),), timeout=600)

@@ -23,6 +23,7 @@ from deepcompile.optim_builder import (
 from _harness.multiproc import run_distributed
 
 WORLD = 2
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 
 
 def _sched_config(kind, **params):

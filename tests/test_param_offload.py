@@ -25,6 +25,8 @@ from _harness.runtime_reference import CONFIG
 from _harness.parity_cases import MLP, assert_parity, build_model, make_optimizer, run_steps, train_reference
 from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 ON = {
     "offload_parameters": {"compile": {"offload_parameters": True}},
     "offload_param": {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True}}},
@@ -124,7 +126,7 @@ cpu_only = pytest.mark.skipif(multiproc.test_device_type() == "cuda",
 
 
 @cpu_only
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2], ids=multiproc.ws_id)
 @pytest.mark.parametrize("key", sorted(ON))
 def test_param_offload_parity_eager(world, key):
     run_distributed(_parity_body, world, args=("mlp", "eager", key, 4), timeout=300)
@@ -454,6 +456,7 @@ def test_host_buffers_of_resident_units_are_released():
     run_distributed(_resident_hosts_body, 2)
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 @pytest.mark.gpu
 def test_gpu_host_buffers_of_resident_units_are_released():
     # The GPU path of the release: page-locked buffers, freed once the copies that read them ran.
@@ -540,6 +543,7 @@ def _runtime_body(ctx):
     ops.release_param(out, 1, 3, 1)
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 def test_runtime_gathers_from_the_host_shard_and_refuses_an_empty_shard_without_one():
     # 2 ranks on CPU; on GPUs as many as there are, up to 2 (one GPU: 1).
     run_distributed(_runtime_body, multiproc.single_world_size())
@@ -652,6 +656,7 @@ def _gpu_body(ctx, steps: int, early: int):
     offload_gpu.assert_parity_and_memory(base, got, steps, early)
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 @pytest.mark.gpu
 def test_param_offload_gpu_parity_and_memory():
     run_distributed(_gpu_body, multiproc.single_world_size(), args=(50, 5), timeout=600)

@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from _harness.multiproc import run_distributed, single_world_size
 
+pytestmark = pytest.mark.world_size(single_world_size())  # the world size in every test id (conftest.py)
+
 
 class Block(nn.Module):
     def __init__(self):

@@ -25,6 +25,8 @@ from deepcompile.scheduling.schedule import PassSchedule, ScheduleEntry
 from _harness.multiproc import require_world_size, run_distributed, single_world_size
 from _harness.parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference
 
+pytestmark = pytest.mark.world_size(single_world_size())  # the world size in every test id (conftest.py)
+
 dc = torch.ops.dc
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -363,6 +365,7 @@ def _profile_failure_body(ctx, node_kind):
     engine.destroy()
 
 
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("node_kind", ["forward", "backward"])
 def test_a_rank_failing_while_profiling_does_not_hang_the_others(node_kind):
     require_world_size(2)  # one rank fails, the other must not hang

@@ -28,6 +28,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 RTOL = 1e-5
 STEPS, EVERY, SEQ = 4, 2, 8  # optimizer steps, steps_per_print, tokens per sequence ("llama" batches)
 

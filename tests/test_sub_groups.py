@@ -21,6 +21,8 @@ from _harness.parity_cases import assert_parity, build_model, make_optimizer, ru
 from deepcompile.zero.sub_groups import split_sub_groups
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 # ---- splitting -----------------------------------------------------------------------------------
 
 

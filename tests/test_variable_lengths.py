@@ -19,6 +19,7 @@ from _harness.multiproc import run_distributed
 from _harness.parity_cases import build_model, make_optimizer
 
 WORLD = 3
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 STEPS = 4
 ROWS_PER_RANK = 2
 TOL = dict(rtol=1e-5, atol=1e-6)

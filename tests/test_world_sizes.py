@@ -85,6 +85,7 @@ def test_world_size_selection(fake_device, device, gpus, sizes, parametrized, si
         assert any(not _skips(n) for n in parametrized) or sizes is not None
 
 
+@pytest.mark.world_size(2)
 def test_run_distributed_skips_a_world_size_the_gpus_cannot_host(fake_device):
     """On one GPU, a body asked to run on 2 ranks skips with the reason instead of raising, and
     starts no process."""
@@ -128,13 +129,13 @@ def _z12_body(ctx, stage):
     engine.destroy()
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, 4], ids=multiproc.ws_id)
 def test_zero3_with_passes_at_world_size(world):
     require_world_size(world)
     run_distributed(_z3_body, world_size=world, timeout=300)
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, 4], ids=multiproc.ws_id)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_accumulation_at_world_size(world, stage):
     require_world_size(world)

@@ -18,6 +18,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 # "lora": frozen base weights (fc1.*, fc2.weight), trainable adapters and a trainable fc2.bias of
 # 5 elements, which the threshold of 10 makes persistent.
 CONFIG = {

@@ -44,7 +44,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 DEFAULT_TIMEOUT_S = 120.0
 # Collectives inside a body give up after this long (gloo/NCCL raise in the worker, so a hang is
@@ -118,6 +118,17 @@ def max_world_size(device_type: Optional[str] = None) -> Optional[int]:
 
         return torch.cuda.device_count()
     return None
+
+
+def ws_id(world_size: int) -> str:
+    """The test-id part that names a world size (``ws2``): every distributed test shows the world
+    size it runs at in its id (conftest.py checks it), so a suite run at one rank, where gathers,
+    reduce-scatters and averaging are identities, cannot pass for a multi-rank run."""
+    return f"ws{world_size}"
+
+
+# The world sizes run_distributed ran bodies at since conftest.py last cleared it (once per test).
+ran_world_sizes: List[int] = []
 
 
 def require_world_size(world_size: int) -> None:
@@ -389,6 +400,7 @@ def run_distributed(
     # A size the GPUs cannot host skips the test (with the reason) rather than failing it: a
     # machine with fewer GPUs is not a defect of the code under test.
     require_world_size(world_size)
+    ran_world_sizes.append(world_size)
     kwargs = dict(kwargs or {})
     fresh = os.environ.get("DC_TEST_FRESH_PROCS", "0") not in ("", "0", "false", "False")
     key = (world_size, device_type)

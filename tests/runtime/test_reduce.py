@@ -263,6 +263,7 @@ def _body_reduce_counts(ctx, stage):
     assert runtime.reduce_counts() == {i: int(i in first) for i in ids}, "after one backward of the new window"
 
 
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("stage", STAGES)
 def test_reduce_counts_per_window(stage):
     require_world_size(2)
