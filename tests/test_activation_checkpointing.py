@@ -38,6 +38,7 @@ from _harness.parity_cases import GLOBAL_BATCH, RunResult, assert_parity, batch,
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()  # the transformers models: 2 ranks (or DC_TEST_WORLD_SIZES)
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 EAGER_GRAPH_ID = 0
 
 
@@ -127,6 +128,7 @@ def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[s
     names = engine.sharding.param_names()
     n = GLOBAL_BATCH // world
     losses: List[float] = []
+    norms: List[float] = []
     for step in range(steps):
         a, b = batch(name, step, device=ctx.device)
         loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
@@ -141,7 +143,9 @@ def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[s
             counts = runtime.reduce_counts()
             wrong = {names[i]: counts.get(i, 0) for i in names if counts.get(i, 0) != gas}
             assert not wrong, f"step {step}: gradients reduced other than once per micro-step ({gas}): {wrong}"
-        engine.step()
+        norm = engine.step()
+        if norm is not None:
+            norms.append(norm.item())
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
@@ -156,7 +160,7 @@ def _body(ctx, name: str, stage: int, backend: Optional[str], expect: Optional[s
         report = engine.schedule_report()
         assert report and report["entry"] == "step 2: prefetch, selective_gather", report
         assert report["graphs"] and all(g["profile_complete"] for g in report["graphs"]), report
-    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}, norms)
     engine.destroy()
     ref = train_reference(name, steps, gas=gas, device=ctx.device)
     assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))

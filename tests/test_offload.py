@@ -26,6 +26,8 @@ from _harness.parity_cases import GLOBAL_BATCH, assert_parity, batch, build_mode
 from deepcompile.offload.plan import OffloadBudgetError, check_budget, plan_offload
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
+pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conftest.py)
+
 # ---- the plan alone ----------------------------------------------------------------------------
 
 
@@ -89,13 +91,13 @@ def _config(stage, kind, gas=1, budget=None):
     return cfg
 
 
-def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None):
+def _train(ctx, name, cfg, backend, steps, gas=1, between_steps=None, optimizer="adamw"):
     """Train through deepcompile; ``between_steps(engine, step)`` runs after every optimizer step."""
     import deepcompile
 
     torch._dynamo.reset()
     model = build_model(name, device=ctx.device)
-    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), cfg)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters(), optimizer), cfg)
     if backend is not None:
         engine.compile(backend=backend)
 
@@ -127,17 +129,18 @@ def _check_offloaded_between_steps(expect_all: bool):
     return check
 
 
-def _offload_parity_body(ctx, name, stage, backend, kind, steps, gas=1):
-    base, engine = _train(ctx, name, _config(stage, None, gas), backend, steps)
+def _offload_parity_body(ctx, name, stage, backend, kind, steps, gas=1, optimizer="adamw"):
+    base, engine = _train(ctx, name, _config(stage, None, gas), backend, steps, optimizer=optimizer)
     engine.destroy()
     got, engine = _train(ctx, name, _config(stage, kind, gas), backend, steps, gas,
-                         between_steps=_check_offloaded_between_steps(expect_all=kind != "offload_optimizer_ratio"))
+                         between_steps=_check_offloaded_between_steps(expect_all=kind != "offload_optimizer_ratio"),
+                         optimizer=optimizer)
     engine.destroy()
     # Bitwise: offload only moves bytes.
     assert got.losses == base.losses, (got.losses, base.losses)
     for key, value in base.params.items():
         assert torch.equal(got.params[key], value), key
-    ref = train_reference(name, steps, gas=gas, device=ctx.device)
+    ref = train_reference(name, steps, gas=gas, device=ctx.device, optimizer=optimizer)
     assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
 
 
@@ -162,6 +165,14 @@ def test_offload_parity(dist_world_size, stage, name, kind):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_parity_engine_without_compile_and_accumulation(stage):
     run_distributed(_offload_parity_body, 2, args=("mlp", stage, None, "offload_opt_states", 8), kwargs={"gas": 2})
+
+
+@cpu_only
+def test_offload_parity_sgd_momentum():
+    """Optimizer-state offload of SGD's momentum buffers, with accumulation: SGD's update scales
+    with the gradient, so a wrong gradient scale shows in the parameters (AdamW's would not)."""
+    run_distributed(_offload_parity_body, 2, args=("mlp", 3, "eager", "offload_opt_states", 8),
+                    kwargs={"gas": 2, "optimizer": "sgd_momentum"})
 
 
 @cpu_only
@@ -369,6 +380,7 @@ def _gpu_body(ctx, stage: int, steps: int, early: int, sub_group_size=None):
     offload_gpu.assert_parity_and_memory(base, got, steps, early)
 
 
+@pytest.mark.world_size(multiproc.single_world_size())
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage,sub_group_size", [(2, None), (3, None), (3, offload_gpu.GPU_SIZES["width"] ** 2)])
 def test_offload_gpu_parity_and_memory(stage, sub_group_size):

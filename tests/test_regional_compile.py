@@ -19,6 +19,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import assert_parity, train_engine, train_reference
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 TOL = {"eager": dict(rtol=1e-5, atol=1e-6), "inductor": dict(rtol=1e-4, atol=1e-5)}
 
 
@@ -44,9 +45,9 @@ def _experts_traceable() -> bool:
     return hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
 
 
-def _body(ctx, name, backend, stage, steps):
-    got, engine = train_engine(name, steps, _config(stage), backend, ctx.device, regional=True)
-    ref = train_reference(name, steps, device=ctx.device)
+def _body(ctx, name, backend, stage, steps, optimizer="adamw"):
+    got, engine = train_engine(name, steps, _config(stage), backend, ctx.device, regional=True, optimizer=optimizer)
+    ref = train_reference(name, steps, device=ctx.device, optimizer=optimizer)
     assert_parity(got, ref, **TOL[backend])
     backend_obj = engine.compiled_module.backend_for(backend)
     layers = engine.module.model.model.layers
@@ -87,6 +88,13 @@ def _body(ctx, name, backend, stage, steps):
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_regional_llama_parity(backend, stage):
     run_distributed(_body, WORLD, args=("llama", backend, stage, 4), timeout=900)
+
+
+def test_regional_llama_zero3_sgd_momentum():
+    """Per-layer graphs under SGD with momentum, whose update scales with the gradient: a layer
+    gradient reduced twice or left unaveraged through the shared graph moves its parameters by
+    the wrong amount (AdamW's normalised update would hide it; the norms catch it too)."""
+    run_distributed(_body, WORLD, args=("llama", "eager", 3, 4), kwargs={"optimizer": "sgd_momentum"}, timeout=900)
 
 
 def test_regional_qwen2_moe_zero3():

@@ -31,12 +31,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _harness.multiproc import run_distributed, single_world_size, world_sizes
-from _harness.parity_cases import (RunResult, TiedEmbeddingLM, assert_parity, batch, make_optimizer, run_steps,
-                                   tiny_llama, train_reference)
+from _harness.multiproc import run_distributed, single_world_size, world_sizes, ws_id
+from _harness.parity_cases import (RunResult, TiedEmbeddingLM, assert_parity, batch, global_grad_norm, make_optimizer,
+                                   run_steps, tiny_llama, train_reference)
 from test_zero3_parity import FP32_TOL
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 SEED = 100  # rank 0's seed; rank r seeds SEED + r, so only a broadcast of rank 0's state agrees
 
 
@@ -84,14 +85,16 @@ def train(engine, name, steps, device):
 
 def train_single(model, name, steps, device):
     opt = make_optimizer(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = model(*batch(name, step, device=device))
         loss.backward()
         losses.append(loss.item())
+        norms.append(global_grad_norm(model.parameters()))
         opt.step()
         opt.zero_grad()
-    return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)})
+    params = {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)}
+    return RunResult(losses, params, norms)
 
 
 def zero_config(stage):
@@ -348,7 +351,7 @@ def _memory_body(ctx, source, width, depth):
     engine.destroy()
 
 
-@pytest.mark.parametrize("world", world_sizes((2, 3)))
+@pytest.mark.parametrize("world", world_sizes((2, 3)), ids=ws_id)
 @pytest.mark.parametrize("source", ["meta", "cpu"])
 def test_initialize_peak_host_memory_is_shards_plus_one_parameter(world, source):
     # 24 layers of 96x96: N = 223k elements, largest 9.2k; bound (W=2) 0.54 of the model, (W=3) 0.37.

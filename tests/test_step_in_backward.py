@@ -32,6 +32,7 @@ from _harness.parity_cases import GLOBAL_BATCH, RunResult, assert_parity, batch,
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 
 
 def _config(on: bool, gas: int = 1, extra: Optional[dict] = None, persistence: int = 0) -> dict:
@@ -44,14 +45,15 @@ def _config(on: bool, gas: int = 1, extra: Optional[dict] = None, persistence: i
 
 
 def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: int, extra: Optional[dict] = None,
-           persistence: int = 0):
+           persistence: int = 0, optimizer: str = "adamw"):
     import deepcompile
     from deepcompile import runtime
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, device=ctx.device)
-    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), _config(on, gas, extra, persistence))
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters(), optimizer),
+                                    _config(on, gas, extra, persistence))
     engine.compile(backend=backend, regional=regional)
     names = engine.sharding.param_names()
     layer_ids = {i for i, n in names.items() if ".layers." in f".{n}"}
@@ -85,20 +87,22 @@ def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: in
         assert stepped_early[:2] == [set(), set()], "the first two windows (profiled, then learning) step as before"
         assert all(s == layer_ids for s in stepped_early[2:]) and windows > 2, \
             f"expected every layer parameter stepped in the backward from window 2 on: {stepped_early}"
-    result = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    result = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}, norms)
     engine.destroy()
-    return result, norms
+    return result
 
 
 def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1, extra: Optional[dict] = None,
-          persistence: int = 0):
-    on, on_norms = _train(ctx, name, backend, regional, True, steps, gas, extra, persistence)
-    off, off_norms = _train(ctx, name, backend, regional, False, steps, gas, extra, persistence)
+          persistence: int = 0, optimizer: str = "adamw"):
+    on = _train(ctx, name, backend, regional, True, steps, gas, extra, persistence, optimizer)
+    off = _train(ctx, name, backend, regional, False, steps, gas, extra, persistence, optimizer)
     assert on.losses == off.losses, f"losses differ: {on.losses} vs {off.losses}"
     for key, value in off.params.items():
         assert torch.equal(on.params[key], value), f"{key} differs from the run with the step after the backward"
-    torch.testing.assert_close(torch.tensor(on_norms), torch.tensor(off_norms), rtol=1e-6, atol=0)
-    ref = train_reference(name, steps, gas=gas, device=ctx.device)
+    torch.testing.assert_close(torch.tensor(on.grad_norms), torch.tensor(off.grad_norms), rtol=1e-6, atol=0)
+    # The norms against the reference too (assert_parity): the same norm on and off proves the
+    # early-stepped gradients count, not that either is the gradient of the global batch.
+    ref = train_reference(name, steps, gas=gas, device=ctx.device, optimizer=optimizer)
     assert_parity(on, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
 
 
@@ -106,6 +110,14 @@ def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1, 
                                           ("decoder_ckpt_reentrant", "inductor")])
 def test_step_in_backward_checkpointed_decoder(dist_world_size, name, backend):
     run_distributed(_body, dist_world_size, args=(name, backend, [DecoderLayer]), timeout=600)
+
+
+def test_step_in_backward_sgd_momentum():
+    """The first case under SGD with momentum, whose update scales with the gradient: a
+    parameter stepped in the backward from a gradient scaled wrongly (a partial window, a missing
+    average) moves by the wrong amount, which AdamW's normalised update would hide."""
+    run_distributed(_body, WORLD, args=("decoder_ckpt", "eager", [DecoderLayer]),
+                    kwargs={"optimizer": "sgd_momentum"}, timeout=600)
 
 
 def test_step_in_backward_gradient_accumulation(dist_world_size):

@@ -13,9 +13,10 @@ import torch
 from _harness import parity_extra  # noqa: F401  (registers the extra models)
 from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import train_engine, train_reference, assert_parity
-from test_zero3_parity import BF16_TOL, FP32_TOL, INDUCTOR_TOL
+from test_zero3_parity import BF16_TOL, CLIP, FP32_TOL, INDUCTOR_TOL, assert_clipping_binds
 
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
 
 
 def config(stage, **extra):
@@ -39,7 +40,7 @@ def _check_lifetimes_during_step(engine):
     return seen
 
 
-def _body(ctx, name, stage, backend, steps, gas=1, bf16=False, clip=0.0):
+def _body(ctx, name, stage, backend, steps, gas=1, bf16=False, clip=0.0, optimizer="adamw"):
     import deepcompile.engine as engine_mod
 
     cfg = config(stage, gradient_accumulation_steps=gas, gradient_clipping=clip)
@@ -54,12 +55,14 @@ def _body(ctx, name, stage, backend, steps, gas=1, bf16=False, clip=0.0):
     engine_mod.Engine.__init__ = init_and_watch
     try:
         got, engine = train_engine(name, steps, cfg, backend, ctx.device,
-                                   dtype=torch.bfloat16 if bf16 else torch.float32)
+                                   dtype=torch.bfloat16 if bf16 else torch.float32, optimizer=optimizer)
     finally:
         engine_mod.Engine.__init__ = original_init
-    ref = train_reference(name, steps, gas=gas, clip=clip, device=ctx.device)
+    ref = train_reference(name, steps, gas=gas, clip=clip, device=ctx.device, optimizer=optimizer)
     tol = BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL
     assert_parity(got, ref, **tol)
+    if clip > 0:
+        assert_clipping_binds(got, clip)
     log = engine._lifetime_log
     assert len(log) == steps // gas, log  # one optimizer step per window
     for held, bucket_numel, pending in log:
@@ -101,7 +104,15 @@ def test_zero1_bf16_accumulation_inductor():
 
 
 def test_zero2_clipping():
-    run_distributed(_body, WORLD, args=("mlp", 2, "eager", 4), kwargs={"clip": 0.5})
+    run_distributed(_body, WORLD, args=("mlp", 2, "eager", 4), kwargs={"clip": CLIP})
+
+
+# SGD with momentum (see test_zero3_sgd_momentum): scale errors of the gradients show in the
+# parameters, not only in the norms.
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("gas", [1, 4], ids=["plain", "accumulation"])
+def test_zero12_sgd_momentum(stage, gas):
+    run_distributed(_body, WORLD, args=("mlp", stage, "eager", 4 * gas), kwargs={"gas": gas, "optimizer": "sgd_momentum"})
 
 
 def _unimplemented_settings_body(ctx):

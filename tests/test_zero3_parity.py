@@ -1,9 +1,16 @@
 """ZeRO-3 end to end: deepcompile training on 2 ranks against single-process training.
 
-Each case compares the per-step losses and the full parameters after the last step. fp32: 1e-5
-relative (Inductor cases 1e-4: fused kernels sum in another order than the eager reference). bf16: the engine trains bf16 parameters (fp32 master weights, bf16 gradients reduced in
-bf16) against an fp32 reference, so it is compared at 3e-2 relative / 3e-2 absolute after 4 steps;
-this tolerance bounds bf16 rounding, and a wrong gradient (missing, doubled, unaveraged) exceeds it.
+Each case compares the per-step losses, the global gradient norm of every optimizer step (before
+clipping) and the full parameters after the last step. fp32: 1e-5 relative (Inductor cases 1e-4:
+fused kernels sum in another order than the eager reference). bf16: the engine trains bf16
+parameters (fp32 master weights, bf16 gradients reduced in bf16) against an fp32 reference, so it
+is compared at 3e-2 relative / 3e-2 absolute after 4 steps; this tolerance bounds bf16 rounding.
+
+A gradient of the wrong scale (doubled, unaveraged over ranks, summed over micro-steps) hardly
+moves AdamW's parameters (its update m/sqrt(v) sees the scale only through eps), so the
+parameters alone would pass it at these tolerances; the gradient norms, compared relatively
+(assert_parity), are off by the factor itself. The core cases also run with SGD with momentum,
+whose parameters move in proportion to the gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
+pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
+# The clipping tests' limit: the MLP's gradient norms run 0.33 to 0.66 (one micro-step or four),
+# so every step clips, by a factor of 0.4 to 0.75 (0.5 left some steps, and every accumulated
+# window, unclipped). assert_clipping_binds checks it.
+CLIP = 0.25
 
 
 def zero3_config(**overrides):
@@ -40,14 +52,25 @@ def zero3_config(**overrides):
     return cfg
 
 
+def assert_clipping_binds(result: RunResult, clip: float) -> None:
+    """A clipping test clips: the norm before clipping exceeds the limit at every optimizer step
+    (a limit above the norms would leave the gradients as they are, and pass with clipping
+    broken)."""
+    assert result.grad_norms and min(result.grad_norms) > clip, \
+        f"clipping at {clip} does not bind at every step; norms before clipping: {result.grad_norms}"
+
+
 def _parity_body(ctx, name, backend, steps, config, bf16=False, torch_compile_api=False, expect_eager=None,
-                 eager_only_in=None):
+                 eager_only_in=None, optimizer="adamw"):
     dtype = torch.bfloat16 if bf16 else torch.float32
     got, engine = train_engine(name, steps, config, backend, ctx.device, dtype=dtype,
-                               use_torch_compile_api=torch_compile_api)
-    ref = train_reference(name, steps, gas=config.get("gradient_accumulation_steps", 1),
-                          clip=config.get("gradient_clipping", 0.0), device=ctx.device)
+                               use_torch_compile_api=torch_compile_api, optimizer=optimizer)
+    clip = config.get("gradient_clipping", 0.0)
+    ref = train_reference(name, steps, gas=config.get("gradient_accumulation_steps", 1), clip=clip,
+                          device=ctx.device, optimizer=optimizer)
     assert_parity(got, ref, **(BF16_TOL if bf16 else INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
+    if clip > 0:
+        assert_clipping_binds(got, clip)
     eager = engine.eagerly_gathered_params()
     if os.environ.get("DC_TEST_REGIONAL") == "1" and any(".layers." in n for n in got.params):
         # Compiled layer by layer: what lies outside the layers (embedding, norm, head) runs
@@ -132,7 +155,7 @@ def _forwards_without_backward_body(ctx, name, backend):
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), zero3_config())
     engine.compile(backend=backend)
     n = GLOBAL_BATCH // world
-    losses = []
+    losses, norms = [], []
     for step in range(4):
         a, b = batch(name, step, device=ctx.device)
         a, b = a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n]
@@ -143,11 +166,11 @@ def _forwards_without_backward_body(ctx, name, backend):
         assert not gathered, f"step {step}: still gathered after forwards without backward: {gathered}"
         loss = engine(a, b)
         engine.backward(loss)
-        engine.step()
+        norms.append(engine.step().item())
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    got = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}, norms)
     ref = train_reference(name, 4, device=ctx.device)
     assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
     engine.destroy()
@@ -173,13 +196,30 @@ def test_zero3_gradient_accumulation():
 
 
 def test_zero3_gradient_clipping():
-    cfg = zero3_config(gradient_clipping=0.5)
+    cfg = zero3_config(gradient_clipping=CLIP)
     run_distributed(_parity_body, WORLD, args=("mlp", "eager", 6, cfg))
 
 
 def test_zero3_gradient_accumulation_and_clipping():
-    cfg = zero3_config(gradient_accumulation_steps=4, gradient_clipping=0.5)
+    cfg = zero3_config(gradient_accumulation_steps=4, gradient_clipping=CLIP)
     run_distributed(_parity_body, WORLD, args=("mlp", "eager", 12, cfg))
+
+
+# SGD with momentum: an update proportional to the gradient, so a gradient scaled wrongly (an
+# unaveraged or doubled reduction, micro-steps summed, clipping that does not bind) moves the
+# parameters by the wrong amount, where AdamW's update would hide it.
+SGD_CASES = {
+    "plain": zero3_config(),
+    "accumulation": zero3_config(gradient_accumulation_steps=4),
+    "clipping": zero3_config(gradient_clipping=CLIP),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SGD_CASES))
+def test_zero3_sgd_momentum(case):
+    steps = 8 if case == "accumulation" else 4
+    run_distributed(_parity_body, WORLD, args=("mlp", "eager", steps, SGD_CASES[case]),
+                    kwargs={"optimizer": "sgd_momentum"})
 
 
 def test_zero3_bf16():

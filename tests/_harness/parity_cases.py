@@ -285,11 +285,23 @@ def batch(name: str, step: int, device="cpu", dtype=torch.float32) -> Tuple[torc
     return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
+OPTIMIZERS = ("adamw", "sgd_momentum")
+
+
+def make_optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
+    """The parity suites' optimizers. AdamW is what training uses, but its update m/sqrt(v) is
+    nearly blind to a uniform gradient scale (a sum instead of a mean, a doubled reduction,
+    clipping that never binds change it only through eps). SGD with momentum moves each parameter
+    in proportion to its gradient, so the same errors change every update by their factor; the
+    core cases run with both."""
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+    if kind != "adamw":
+        raise ValueError(f"unknown optimizer {kind!r}; known: {OPTIMIZERS}")
     # Adam divides by sqrt(v): a near-zero gradient whose last bits differ between the sharded and
     # the single-process sum turns into a full +-lr update. eps=1e-3 damps that amplification of
-    # summation-order noise (seen on GPUs at 3e-4 after one step) while real gradient errors
-    # (missing, doubled, unaveraged) still show at every tolerance used here.
+    # summation-order noise (seen on GPUs at 3e-4 after one step). It does not make Adam see a
+    # uniform gradient scale: assert_parity compares the gradient norms for that.
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-3)
 
 
@@ -300,23 +312,35 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 class RunResult:
     losses: List[float]
     params: Dict[str, torch.Tensor]
+    # The global L2 norm of each optimizer step's gradients before clipping (None: not recorded).
+    # The losses and parameters of an AdamW run hardly see a uniform gradient scale; these do.
+    grad_norms: Optional[List[float]] = None
 
 
-def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0, device="cpu") -> RunResult:
+def global_grad_norm(params, clip: float = 0.0) -> float:
+    """Single process: the global L2 norm of the gradients of ``params`` before clipping (what
+    ``engine.step()`` returns), clipping them to ``clip`` when it is positive."""
+    grads = [p for p in params if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(grads, clip if clip > 0 else float("inf")).item()
+
+
+def train_reference(name: str, steps: int, gas: int = 1, clip: float = 0.0, device="cpu",
+                    optimizer: str = "adamw") -> RunResult:
     """Single process, fp32, whole batches, on ``device``."""
     model = build_model(name, device=device)
-    opt = make_optimizer([p for p in model.parameters()])
-    losses = []
+    opt = make_optimizer([p for p in model.parameters()], optimizer)
+    losses, norms = [], []
     for step in range(steps):
         loss = model(*batch(name, step, device=device))
         (loss / gas).backward()
         losses.append(loss.item())
         if (step + 1) % gas == 0:
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+            # max_norm inf when not clipping: the norm is computed, the gradients scaled by 1.
+            norms.append(global_grad_norm(model.parameters(), clip))
             opt.step()
             opt.zero_grad()
-    return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)})
+    params = {k: v.detach().float().cpu() for k, v in model.named_parameters(remove_duplicate=False)}
+    return RunResult(losses, params, norms)
 
 
 # DC_TEST_OFFLOAD: run a whole parity suite with offload kinds on ("opt_states", "params",
@@ -350,6 +374,7 @@ def train_engine(
     dtype=torch.float32,
     use_torch_compile_api: bool = False,
     regional: bool = False,
+    optimizer: str = "adamw",
 ):
     """Distributed run through deepcompile; returns (RunResult, engine). ``regional``: compile
     each decoder layer on its own (engine.compile(regional=True)); DC_TEST_REGIONAL=1 turns it on
@@ -362,7 +387,7 @@ def train_engine(
     if os.environ.get("DC_DEBUG_CHECKS") == "1":  # run a whole suite with compile.debug_checks on
         config = {**config, "compile": {**config.get("compile", {}), "debug_checks": True}}
     config = with_test_offload(config, compiled=backend is not None or use_torch_compile_api)
-    engine = deepcompile.initialize(model, make_optimizer(model.parameters()), config)
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters(), optimizer), config)
     if use_torch_compile_api:
         compiled = torch.compile(engine.module, backend="deepcompile", options={"inner": backend})
         engine._compiled = compiled
@@ -380,27 +405,45 @@ def _has_blocks(model: nn.Module) -> bool:
 def run_steps(engine, name: str, steps: int, device: torch.device, dtype=torch.float32,
               after_step=None) -> RunResult:
     """Train ``engine`` for ``steps`` micro-steps on this rank's slice of each global batch; the
-    losses are averaged over the ranks, the parameters gathered on every rank.
-    ``after_step(engine, step)`` runs after each ``engine.step()``."""
+    losses are averaged over the ranks, the parameters gathered on every rank, the gradient norm
+    of every optimizer step kept. ``after_step(engine, step)`` runs after each ``engine.step()``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = GLOBAL_BATCH // world
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         a, b = batch(name, step, device=device, dtype=dtype)
         loss = engine(a[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n])
         engine.backward(loss)
-        engine.step()
+        norm = engine.step()
+        if norm is not None:  # an optimizer step (the accumulation boundary)
+            norms.append(norm.item())
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
         if after_step is not None:
             after_step(engine, step)
-    return RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()})
+    params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
+    return RunResult(losses, params, norms)
 
 
 def assert_parity(got: RunResult, ref: RunResult, rtol: float, atol: float) -> None:
+    """Losses, final parameters and, where both runs recorded them, the gradient norm of every
+    optimizer step, against the reference. The norms are compared relatively only (``rtol``, no
+    ``atol``): a scale error (unaveraged, doubled, summed over micro-steps) is a factor, which an
+    absolute slack would hide in a small norm. A result that records norms against one that does
+    not fails: a run that forgets them must not pass silently."""
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol,
                                msg=lambda m: f"{m}\nlosses:    {got.losses}\nreference: {ref.losses}")
+    if (got.grad_norms is None) != (ref.grad_norms is None):
+        which = "the run" if got.grad_norms is None else "the reference"
+        raise AssertionError(f"{which} recorded no gradient norms; record them on both sides (RunResult.grad_norms)")
+    if got.grad_norms is not None:
+        assert len(got.grad_norms) == len(ref.grad_norms), \
+            f"{len(got.grad_norms)} optimizer steps against {len(ref.grad_norms)} in the reference"
+        torch.testing.assert_close(torch.tensor(got.grad_norms, dtype=torch.float64),
+                                   torch.tensor(ref.grad_norms, dtype=torch.float64), rtol=rtol, atol=0,
+                                   msg=lambda m: f"global gradient norms: {m}\nnorms:     {got.grad_norms}\n"
+                                                 f"reference: {ref.grad_norms}")
     missing = set(ref.params) - set(got.params)
     assert not missing, f"full_state_dict lacks {sorted(missing)}"
     for key in ref.params:
