@@ -138,8 +138,8 @@ FULL = {
         "sync_after_reduce": False,
         "sync_before_allgather": True,
         "sync_after_allgather": False,
-        "keep_int_input_tensors": False,
-        "keep_all_input_tensors": True,
+        "keep_int_input_tensors": True,
+        "keep_all_input_tensors": False,
         "warmup_steps": 0,
         "prefetch": False,
         "selective_gather": False,
@@ -484,7 +484,8 @@ def keys_of(d, world=2, model=None):
 
 def test_all_problems_are_reported_at_once():
     d = {
-        "zero_optimization": {"stage": 3, "overlap_comm": False, "offload_param": {"device": "nvme"}, "stgae": 1},
+        "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "offload_param": {"device": "nvme"},
+                              "stgae": 1},
         "fp16": {"enabled": True},
         "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
         "gradient_clipping": "auto",
@@ -494,7 +495,8 @@ def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as e:
         Config.from_any(d)
     assert sorted(e.value.keys) == sorted([
-        "foo", "zero_optimization.stgae", "zero_optimization.overlap_comm", "zero_optimization.offload_param.device",
+        "foo", "zero_optimization.stgae", "zero_optimization.zero_quantized_weights",
+        "zero_optimization.offload_param.device",
         "fp16.enabled", "optimizer.type", "gradient_clipping", "tensorboard.enabled"])
     msg = str(e.value)
     assert msg.startswith("8 problems in the config:")
@@ -507,14 +509,24 @@ def test_deepspeed_aliases():
                          "bfloat16": {"enabled": True}})
     assert c.bf16.enabled is True
     assert c.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
-    msg = err({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
-    assert "both given" in msg
+    # Both spellings with one value: accepted; with two values: an error naming both.
+    assert Config.from_any({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                            "bfloat16": {"enabled": True}}).bf16.enabled is True
+    msg = err({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "bfloat16": {"enabled": False}})
+    assert "bfloat16 and bf16 name the same setting (bf16) with different values" in msg
 
 
 # Keys without effect by design: accepted with the value that describes the runtime, refused with
 # any other value, with the reason. (section, key, accepted value, refused value, words of the reason)
 ONLY_VALUE = [
-    ("zero_optimization", "overlap_comm", True, False, "dedicated streams"),
+    ("zero_optimization", "zero_quantized_weights", False, True, "ZeRO++"),
+    ("zero_optimization", "zero_quantized_nontrainable_weights", False, True, "ZeRO++"),
+    ("zero_optimization", "zero_quantized_gradients", False, True, "ZeRO++"),
+    ("zero_optimization", "zero_hpz_partition_size", 1, 8, "whole group"),
+    ("fp16", "auto_cast", False, True, "auto-casting"),
+    ("compile", "deepcompile", True, False, "do not call engine.compile()"),
+    ("compile", "keep_int_input_tensors", True, False, "real inputs"),
+    ("compile", "keep_all_input_tensors", False, True, "real inputs"),
     ("zero_optimization", "contiguous_gradients", True, False, "contiguous reduce buckets"),
     ("zero_optimization", "reduce_scatter", True, False, "never all-reduced"),
     ("zero_optimization", "allgather_partitions", True, False, "all-gathered"),
@@ -555,7 +567,7 @@ def test_keys_without_effect_accept_only_the_runtime_value(section, key, ok, bad
 def test_inert_keys_accept_any_valid_value():
     Config.from_any({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
                      "zero_force_ds_cpu_optimizer": False, "activation_checkpointing": {"number_checkpoints": 4},
-                     "fp16": {"enabled": False, "auto_cast": True, "loss_scale": 128, "hysteresis": 2,
+                     "fp16": {"enabled": False, "auto_cast": False, "loss_scale": 128, "hysteresis": 2,
                               "consecutive_hysteresis": True, "min_loss_scale": 1, "loss_scale_window": 100},
                      "hybrid_engine": {"enabled": False, "max_out_tokens": 256, "inference_tp_size": 1},
                      "wandb": {"enabled": False, "project": "p", "team": None}})

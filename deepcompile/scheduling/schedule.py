@@ -19,9 +19,11 @@ it with an explicit list, e.g. ``[{"step": 0, "passes": []}, {"step": 3, "passes
 from __future__ import annotations
 
 import dataclasses
-from typing import FrozenSet, Iterable, List, Optional, Tuple
+from typing import FrozenSet, Iterable, List, Optional
 
-PASS_NAMES: Tuple[str, ...] = ("prefetch", "selective_gather")
+# The pass names are the config's vocabulary (compile.schedule, compile.prefetch / selective_gather).
+from deepcompile.config.compile_section import PASS_NAMES
+from deepcompile.config.rules import optional_passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,7 @@ class PassSchedule:
         c = config.compile
         if c.schedule is not None:
             return cls(ScheduleEntry(e["step"], frozenset(e["passes"])) for e in c.schedule)
-        passes = frozenset(n for n, on in (("prefetch", c.prefetch), ("selective_gather", c.selective_gather)) if on)
+        passes = optional_passes(config)  # compile.prefetch / selective_gather, and DeepSpeed's limits at 0
         if not passes:
             return cls([])
         if c.warmup_steps == 0:

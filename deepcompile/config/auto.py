@@ -1,0 +1,134 @@
+"""``"auto"`` resolution and the checks that depend on the model: the only part of the config
+that looks at the model (its hidden size, parameter dtypes and parameter count).
+
+Hugging Face Trainer and accelerate write ``"auto"`` where they fill a value in before handing the
+config to DeepSpeed. deepcompile fills what the model and the world size determine, at
+``initialize``, and refuses the rest with an error naming the key (docs/config.md, "auto"):
+
+* the three batch sizes: one may be ``"auto"`` (``batch.py``);
+* ``bf16.enabled`` / ``fp16.enabled``: true when the model's floating-point parameters are in that
+  dtype;
+* ``reduce_bucket_size``: ``hidden_size ** 2``; ``stage3_prefetch_bucket_size``:
+  ``int(0.9 * hidden_size ** 2)``; ``stage3_param_persistence_threshold``: ``10 * hidden_size``
+  (the values HF Trainer derives); a model without a hidden size gets the keys' defaults, and so
+  does a stage-3 key under ZeRO-1/2, where it has no effect.
+
+The model is duck-typed (``parameters()``, ``config.hidden_size``): this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+from deepcompile.config import rules
+from deepcompile.config.batch import complete_batch_sizes
+from deepcompile.config.errors import ConfigError, is_auto
+
+_DERIVED_BUCKETS = {"reduce_bucket_size": lambda h: h * h,
+                    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                    "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+_BINDING = {
+    "stage3_max_live_parameters": "what stays gathered is planned under compile.memory_budget_bytes / "
+                                  "memory_budget_fraction, not by a parameter count; remove the key (or set 0: no "
+                                  "prefetching) and set a memory budget",
+    "stage3_max_reuse_distance": "which released parameters stay gathered is planned under "
+                                 "compile.memory_budget_bytes / memory_budget_fraction (selective_gather), not by a "
+                                 "reuse distance; remove the key (or set 0: nothing kept gathered) and set a memory "
+                                 "budget",
+}
+
+
+def resolve(config, world_size: int, model: Any = None):
+    """``config`` with every ``"auto"`` it can derive filled in, checked against the model.
+
+    Raises :class:`ConfigError` naming every key that cannot be honoured. Idempotent.
+    """
+    problems: List[Tuple[str, str]] = []
+    changes: Dict[str, Any] = {}
+    try:
+        changes.update(complete_batch_sizes(config, world_size))
+    except ConfigError as e:
+        problems.extend(e.problems)
+
+    dtypes = _float_param_dtypes(model)
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        section = getattr(config, name)
+        if not is_auto(section.enabled):
+            continue
+        if dtypes is None:
+            problems.append((f"{name}.enabled", f"{name}.enabled is \"auto\": it follows the model's parameter "
+                                                "dtype, but no model was given"))
+            continue
+        try:
+            changes[name] = dataclasses.replace(section, enabled=dtype in dtypes)
+        except ConfigError as e:
+            problems.extend((k, m + f" (\"auto\": the model's parameters are torch.{dtype})") for k, m in e.problems)
+
+    z = config.zero_optimization
+    zero_changes = _derived_buckets(z, _hidden_size(model))
+    if zero_changes:
+        changes["zero_optimization"] = z = dataclasses.replace(z, **zero_changes)
+    problems.extend(_binding_limits(z, model))
+
+    resolved = dataclasses.replace(config, **changes) if changes else config
+    facts = rules.Facts(gradient_accumulation_steps=changes.get("gradient_accumulation_steps") or 1,
+                        trained_dtypes=_trainable_dtypes(model))
+    problems.extend(rules.refusals(resolved, "resolve", facts))
+    if problems:
+        raise ConfigError(problems)
+    return resolved
+
+
+def _derived_buckets(z, hidden: Optional[int]) -> Dict[str, int]:
+    defaults = {f.name: f.default for f in dataclasses.fields(z)}
+    out = {}
+    for name, rule in _DERIVED_BUCKETS.items():
+        if is_auto(getattr(z, name)):
+            useful = z.stage == 3 or name == "reduce_bucket_size"
+            out[name] = rule(hidden) if hidden is not None and useful else defaults[name]
+    return out
+
+
+def _binding_limits(z, model: Any) -> List[Tuple[str, str]]:
+    """The ZeRO-3 limits deepcompile accepts only where they cannot bind (or as 0)."""
+    if model is None or z.stage != 3:  # stage-3 keys are inert under ZeRO-1/2
+        return []
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    problems = []
+    for name in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        value = getattr(z, name)
+        if value is not None and 0 < value < total:
+            dotted = f"zero_optimization.{name}"
+            problems.append((dotted, f"{dotted}={value} would bind for this model ({total} parameters), and "
+                                     f"deepcompile does not implement it: {_BINDING[name]}"))
+    return problems
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _float_param_dtypes(model: Any) -> Optional[FrozenSet[str]]:
+    if model is None:
+        return None
+    return frozenset(_dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point())
+
+
+def _trainable_dtypes(model: Any) -> FrozenSet[str]:
+    if model is None:
+        return frozenset()
+    return frozenset(_dtype_name(p.dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point())
+
+
+def _hidden_size(model: Any) -> Optional[int]:
+    """``model.config.hidden_size``, or the largest of ``hidden_sizes`` (HF models), else None."""
+    cfg = getattr(model, "config", None)
+    size = getattr(cfg, "hidden_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    sizes = getattr(cfg, "hidden_sizes", None)
+    if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(s, int) and s > 0 for s in sizes):
+        return max(sizes)
+    return None

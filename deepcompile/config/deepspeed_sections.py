@@ -1,0 +1,58 @@
+"""DeepSpeed sections for features deepcompile does not have: accepted only switched off, their
+other keys validated and inert (``inert.py`` holds every reason)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from deepcompile.config.schema import Section, fixed_key, inert_key
+from deepcompile.config.validators import boolean, integer, optional, string
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationCheckpointingConfig(Section):
+    _path = "activation_checkpointing"
+    partition_activations: bool = fixed_key("activation_checkpointing.partition_activations")
+    cpu_checkpointing: bool = fixed_key("activation_checkpointing.cpu_checkpointing")
+    contiguous_memory_optimization: bool = fixed_key("activation_checkpointing.contiguous_memory_optimization")
+    number_checkpoints: Optional[int] = inert_key("activation_checkpointing.number_checkpoints",
+                                                  optional(integer(1)), None)
+    synchronize_checkpoint_boundary: bool = fixed_key("activation_checkpointing.synchronize_checkpoint_boundary")
+    profile: bool = fixed_key("activation_checkpointing.profile")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorboardConfig(Section):
+    _path = "tensorboard"
+    enabled: bool = fixed_key("tensorboard.enabled")
+    output_path: str = inert_key("tensorboard.output_path", string, "")
+    job_name: str = inert_key("tensorboard.job_name", string, "DeepSpeedJobName")
+
+
+@dataclasses.dataclass(frozen=True)
+class CsvMonitorConfig(Section):
+    _path = "csv_monitor"
+    enabled: bool = fixed_key("csv_monitor.enabled")
+    output_path: str = inert_key("csv_monitor.output_path", string, "")
+    job_name: str = inert_key("csv_monitor.job_name", string, "DeepSpeedJobName")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig(Section):
+    _path = "wandb"
+    enabled: bool = fixed_key("wandb.enabled")
+    group: Optional[str] = inert_key("wandb.group", optional(string), None)
+    team: Optional[str] = inert_key("wandb.team", optional(string), None)
+    project: str = inert_key("wandb.project", string, "deepspeed")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridEngineConfig(Section):
+    _path = "hybrid_engine"
+    enabled: bool = fixed_key("hybrid_engine.enabled")
+    max_out_tokens: int = inert_key("hybrid_engine.max_out_tokens", integer(1), 512)
+    inference_tp_size: int = inert_key("hybrid_engine.inference_tp_size", integer(1), 1)
+    release_inference_cache: bool = inert_key("hybrid_engine.release_inference_cache", boolean, False)
+    pin_parameters: bool = inert_key("hybrid_engine.pin_parameters", boolean, True)
+    tp_gather_partition_size: int = inert_key("hybrid_engine.tp_gather_partition_size", integer(1), 8)

@@ -1,0 +1,44 @@
+"""The config as the C++ runtime takes it (``deepcompile.runtime.RuntimeConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+from deepcompile.config import rules
+from deepcompile.config.errors import is_auto
+
+
+def runtime_config(config) -> Dict[str, Any]:
+    """Keyword arguments for :class:`deepcompile.runtime.RuntimeConfig`.
+
+    The keys are checked against RuntimeConfig's fields so the two cannot drift apart.
+    """
+    from deepcompile.runtime import RuntimeConfig  # imports the C++ extension: only when asked
+
+    c = config.compile
+    if is_auto(config.zero_optimization.reduce_bucket_size):
+        raise ValueError("zero_optimization.reduce_bucket_size is still \"auto\": resolve the config "
+                         "(Config.resolve) before building the runtime settings")
+    double_buffer, sync_after_reduce = rules.reduce_overlap(config)
+    kwargs = {
+        "reduce_bucket_size": config.zero_optimization.reduce_bucket_size,
+        "double_buffer": double_buffer,
+        "free_activation_threshold": c.free_activation_threshold,
+        "sync_before_reduce": c.sync_before_reduce,
+        "sync_after_reduce": sync_after_reduce,
+        "sync_before_allgather": c.sync_before_allgather,
+        "sync_after_allgather": c.sync_after_allgather,
+    }
+    fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    if fields != set(kwargs):
+        drift = sorted(fields ^ set(kwargs))
+        raise RuntimeError(f"Config.runtime_config is out of date with RuntimeConfig: {drift}")
+    return kwargs
+
+
+def zero3_reduce_dtype(config):
+    """The dtype ZeRO-3 reduces trainable gradients in (and stores their partitions in)."""
+    import torch
+
+    return torch.bfloat16 if config.communication_data_type == "bf16" else torch.float32
