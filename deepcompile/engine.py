@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile import compat, debug_checks, logging_setup, optim_builder, progress, runtime
+from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.offload import optimizer_state_offload
@@ -297,6 +298,16 @@ class Engine:
 
     # ---- state --------------------------------------------------------------------------------
 
+    def training_state(self) -> TrainingState:
+        """What checkpoints and weight files read of this run (checkpoint/training_state.py)."""
+        return TrainingState(
+            module=self.module, sharding=self.sharding, optimizer=self.basic_optimizer,
+            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, group=self.group, rank=self.rank,
+            world_size=self.world_size, device=self.device,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            counters=StepCounters(self.global_steps, self.micro_steps, self.skipped_steps),
+            config=self.config.to_dict())
+
     def eagerly_gathered_params(self) -> List[str]:
         """Names of parameters that were gathered outside compiled graphs (eager frames)."""
         return self.sharding.eagerly_gathered_params()
@@ -320,7 +331,7 @@ class Engine:
         Collective: every rank must call it (checkpoint/hf_weights.py)."""
         from deepcompile.checkpoint.hf_weights import save_hf
 
-        save_hf(self, directory, max_shard_size=max_shard_size)
+        save_hf(self.training_state(), directory, max_shard_size=max_shard_size)
 
     def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True) -> str:
@@ -334,7 +345,7 @@ class Engine:
         from deepcompile.checkpoint import dcp_checkpoint
 
         with progress.long_operation(f"saving checkpoint into {save_dir}", self.rank == 0) as shown:
-            path = dcp_checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            path = dcp_checkpoint.save_checkpoint(self.training_state(), save_dir, tag, client_state, save_latest)
             shown["done"] = f"saved checkpoint {path}"
         if self.rank == 0:
             self._save_model_config(path)
@@ -365,10 +376,13 @@ class Engine:
         from deepcompile.checkpoint import dcp_checkpoint
 
         with progress.long_operation(f"loading checkpoint from {load_dir}", self.rank == 0) as shown:
-            loaded = dcp_checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                                    load_lr_scheduler_states, load_module_only)
-            shown["done"] = f"loaded checkpoint {loaded[0]}"
-        return loaded
+            path, client_state, counters = dcp_checkpoint.load_checkpoint(
+                self.training_state(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            shown["done"] = f"loaded checkpoint {path}"
+        if counters is not None:  # the step counters to continue from
+            self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
+            self.skipped_steps = counters.skipped_steps
+        return path, client_state
 
     def destroy(self) -> None:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut

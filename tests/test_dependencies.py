@@ -48,8 +48,8 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "progress": (),
     "precision": (),
     "step_report": (),
-    # Config is data; the pass names it validates against are a torch-free leaf.
-    "config": ("scheduling.schedule",),
+    # Config is data: it names the runtime's settings and the passes, it does not load them.
+    "config": (),
     "optim_builder": ("config",),
     # The C++ runtime's Python face, and what builds on it without knowing the engine.
     "runtime": ("_C", "compat"),
@@ -61,7 +61,7 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # Graph passes insert runtime ops and the activation-offload ops, nothing of the planners.
     "passes": ("compat", "runtime", "offload.activation_ops"),
     # The scheduler decides plans from profiles; the backend applies them (compiler/replan.py).
-    "scheduling": ("compat", "runtime", "profiling"),
+    "scheduling": ("compat", "config", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "passes", "profiling", "runtime", "scheduling", "zero"),
     # Checkpoints read and restore a TrainingState value through zero's Sharding interface.
     "checkpoint": ("zero",),
@@ -69,9 +69,12 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "offload",
                "optim_builder", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
                "step_report", "zero"),
-    # Fronts over the engine.
-    "integrations": ("checkpoint", "compat", "config", "engine", "zero"),
 }
+# Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit
+# above, never one another; ``python -m deepcompile`` runs the command line.
+FRONTS = ("cli", "integrations")
+LAYERS.update({front: ("_C", *LAYERS) for front in FRONTS})
+LAYERS["__main__"] = ("cli",)
 
 
 # ---- reading the source -------------------------------------------------------------------------

@@ -12,8 +12,8 @@ What one checkpoint holds (DCP keys; ``docs/design.md``, "Checkpoints"):
   ``optim_scalars``: scalar state per parameter (Adam's ``step``); ``optim_param_groups``: the
   param groups' hyper-parameters;
 * ``buffers/<name>``: the module's persistent buffers (rank 0), ``lr_scheduler``: its state dict,
-  ``engine``: the step counters, ``client_state``: what the caller passed, ``rng/<rank>``: each
-  rank's random number generators;
+  ``engine``: the step counters and fp16's loss scale, ``client_state``: what the caller passed,
+  ``rng/<rank>``: each rank's random number generators;
 * ``deepcompile.json`` (a file beside DCP's): format version, world size, stage, parameter names
   and shapes, optimizer and scheduler types, the config (for reference: it is not applied).
 
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from deepcompile.checkpoint import layout, rng_state
 from deepcompile.checkpoint.agreement import CheckpointError, agreed
 from deepcompile.checkpoint.flat_planners import FlatRange, FlatRangeLoadPlanner, FlatRangeSavePlanner
+from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.zero.param_shard import ParamShard
 
 MODEL = "model/"
@@ -55,7 +56,7 @@ ENGINE = "engine"
 CLIENT_STATE = "client_state"
 
 
-# ---- what the engine holds, by name ------------------------------------------------------------
+# ---- what the training state holds, by name ------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -70,13 +71,13 @@ class _ModelView:
         return out
 
 
-def _model_view(engine) -> _ModelView:
-    shards = list(engine.sharding.shards())
+def _model_view(state: TrainingState) -> _ModelView:
+    shards = list(state.sharding.shards())
     partitioned = {s.name for s in shards}
-    whole = {n: p for n, p in engine.module.named_parameters() if n not in partitioned}
-    param_ids = {id(p) for p in engine.module.parameters()}
+    whole = {n: p for n, p in state.module.named_parameters() if n not in partitioned}
+    param_ids = {id(p) for p in state.module.parameters()}
     buffers, extra = {}, []
-    for name, value in engine.module.state_dict(keep_vars=True).items():
+    for name, value in state.module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             extra.append(name)
         elif id(value) not in param_ids:
@@ -114,10 +115,10 @@ def _dtype_name(t: torch.Tensor) -> str:
 # ---- save ----------------------------------------------------------------------------------------
 
 
-def _collect(engine, client_state: Dict[str, Any]):
+def _collect(state: TrainingState, client_state: Dict[str, Any]):
     """This rank's flat ranges and objects to write, and (rank 0) the description file."""
-    rank0 = engine.rank == 0
-    view = _model_view(engine)
+    rank0 = state.rank == 0
+    view = _model_view(state)
     ranges: List[FlatRange] = []
     params: Dict[str, Dict[str, Any]] = {}
     state_keys: Dict[str, List[str]] = {}
@@ -126,7 +127,7 @@ def _collect(engine, client_state: Dict[str, Any]):
         # A parameter without elements still gets one (empty) chunk, from rank 0, to be listed.
         ranges.append(FlatRange(MODEL + s.name, s.numel, s.start, s.local.detach(), write_if_empty=rank0 and s.numel == 0))
         params[s.name] = {"shape": list(s.shape), "dtype": _dtype_name(s.local)}
-        per_element, scalar = _split_optimizer_state(s.name, engine.sharding.shard_optimizer_state(s.ds_id),
+        per_element, scalar = _split_optimizer_state(s.name, state.sharding.shard_optimizer_state(s.ds_id),
                                                      s.end - s.start)
         for key, value in per_element.items():
             ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, value.detach(),
@@ -139,27 +140,29 @@ def _collect(engine, client_state: Dict[str, Any]):
         ranges.append(FlatRange(MODEL + name, flat.numel(), 0, flat if rank0 else flat[:0], write_if_empty=rank0))
         params[name] = {"shape": list(p.shape), "dtype": _dtype_name(p)}
 
-    objects: Dict[str, Any] = {f"{RNG}{engine.rank}": rng_state.capture(engine.device)}
+    objects: Dict[str, Any] = {f"{RNG}{state.rank}": rng_state.capture(state.device)}
     meta: Dict[str, Any] = {}
     if rank0:
-        optimizer = engine.basic_optimizer
+        optimizer = state.optimizer
         objects.update({BUFFERS + n: b.detach() for n, b in view.buffers.items()})
         objects[SCALARS] = scalars
         objects[PARAM_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        objects[ENGINE] = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                           "gradient_accumulation_steps": engine.gradient_accumulation_steps}
+        objects[ENGINE] = {"global_steps": state.counters.global_steps, "micro_steps": state.counters.micro_steps,
+                           "gradient_accumulation_steps": state.gradient_accumulation_steps,
+                           # fp16: the loss scale and its counters ({} without loss scaling).
+                           "skipped_steps": state.counters.skipped_steps, "loss_scaler": state.loss_scaler.state_dict()}
         objects[CLIENT_STATE] = client_state
-        if engine.lr_scheduler is not None:
-            objects[LR_SCHEDULER] = engine.lr_scheduler.state_dict()
+        if state.lr_scheduler is not None:
+            objects[LR_SCHEDULER] = state.lr_scheduler.state_dict()
         meta = {
             "format": layout.FORMAT, "version": layout.VERSION, "torch_version": torch.__version__,
-            "world_size": engine.world_size, "zero_stage": engine.stage,
-            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "world_size": state.world_size, "zero_stage": state.stage,
+            "global_steps": state.counters.global_steps, "micro_steps": state.counters.micro_steps,
             "params": params, "buffers": {n: list(b.shape) for n, b in view.buffers.items()},
             "optimizer": {"class": type(optimizer).__qualname__, "param_groups": len(optimizer.param_groups),
                           "state": state_keys},
-            "lr_scheduler": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__qualname__,
-            "config": engine.config.to_dict(),
+            "lr_scheduler": None if state.lr_scheduler is None else type(state.lr_scheduler).__qualname__,
+            "config": state.config,
         }
     return ranges, objects, meta
 
@@ -177,25 +180,25 @@ def _writer(path: str) -> "dcp.FileSystemWriter":
     return dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=threads)
 
 
-def save_checkpoint(engine, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
+def save_checkpoint(state: TrainingState, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
                     save_latest: bool = True) -> str:
     """See :meth:`deepcompile.engine.Engine.save_checkpoint`. Collective."""
-    group, rank = engine.group, engine.rank
+    group, rank = state.group, state.rank
     save_dir = os.path.abspath(os.fspath(save_dir))
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = f"global_step{state.counters.global_steps}" if tag is None else str(tag)
     tags = _all_gather(tag, group)
 
     def check_and_collect():
         if len(set(tags)) > 1:
             raise CheckpointError(f"the ranks passed different tags: {tags}")
         layout.check_tag(tag)
-        position = engine.micro_steps % engine.gradient_accumulation_steps
+        position = state.counters.micro_steps % state.gradient_accumulation_steps
         if position:
             raise CheckpointError(
                 f"cannot save in the middle of a gradient accumulation window (micro-step {position} of "
-                f"{engine.gradient_accumulation_steps}): the gradients accumulated so far are not part of a "
+                f"{state.gradient_accumulation_steps}): the gradients accumulated so far are not part of a "
                 "checkpoint; save after the engine.step() that ends the window")
-        return _collect(engine, dict(client_state or {}))
+        return _collect(state, dict(client_state or {}))
 
     ranges, objects, meta = agreed("save_checkpoint", check_and_collect, group)
     nonce = [uuid.uuid4().hex[:12] if rank == 0 else None]
@@ -274,8 +277,8 @@ def _stored_as(stored: Dict[str, Any], key: str, size: List[int]) -> bool:
     return isinstance(md, TensorStorageMetadata) and list(md.size) == size
 
 
-def _check_optimizer(path: str, meta: Dict[str, Any], stored: Dict[str, Any], engine, view: _ModelView) -> None:
-    saved, optimizer = meta["optimizer"], engine.basic_optimizer
+def _check_optimizer(path: str, meta: Dict[str, Any], stored: Dict[str, Any], state: TrainingState, view: _ModelView) -> None:
+    saved, optimizer = meta["optimizer"], state.optimizer
     if saved["class"] != type(optimizer).__qualname__:
         raise CheckpointError(f"checkpoint {path!r} holds the state of a {saved['class']} optimizer, the engine's is a "
                               f"{type(optimizer).__qualname__}; pass load_optimizer_states=False to load the weights only")
@@ -292,8 +295,8 @@ def _check_optimizer(path: str, meta: Dict[str, Any], stored: Dict[str, Any], en
         raise CheckpointError(f"checkpoint {path!r} is damaged: its DCP metadata lacks or mis-sizes {_names(damaged)}")
 
 
-def _check_scheduler(path: str, meta: Dict[str, Any], stored: Dict[str, Any], engine) -> None:
-    saved, current = meta["lr_scheduler"], engine.lr_scheduler
+def _check_scheduler(path: str, meta: Dict[str, Any], stored: Dict[str, Any], state: TrainingState) -> None:
+    saved, current = meta["lr_scheduler"], state.lr_scheduler
     if current is not None and saved is None:
         raise CheckpointError(f"checkpoint {path!r} has no LR scheduler state, but the engine has a "
                               f"{type(current).__qualname__}; pass load_lr_scheduler_states=False to keep it as it is")
@@ -311,10 +314,14 @@ def _reader(path: str):
     return dcp.FileSystemReader(path)
 
 
-def load_checkpoint(engine, load_dir: Any, tag: Any = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Tuple[str, Dict[str, Any]]:
-    """See :meth:`deepcompile.engine.Engine.load_checkpoint`. Collective."""
-    group, rank = engine.group, engine.rank
+def load_checkpoint(state: TrainingState, load_dir: Any, tag: Any = None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                    ) -> Tuple[str, Dict[str, Any], Optional[StepCounters]]:
+    """See :meth:`deepcompile.engine.Engine.load_checkpoint`. Collective. Restores ``state``'s
+    module, sharded and optimizer state, scheduler and random generators in place; returns the
+    checkpoint's path, the client state and the step counters to continue from (None with
+    ``load_module_only``), which the caller applies."""
+    group, rank = state.group, state.rank
     with_optimizer = load_optimizer_states and not load_module_only
     with_scheduler = load_lr_scheduler_states and not load_module_only
 
@@ -328,12 +335,12 @@ def load_checkpoint(engine, load_dir: Any, tag: Any = None, load_optimizer_state
     def check():
         if len(set(everywhere)) > 1:
             raise CheckpointError(f"the ranks found different checkpoints: {everywhere}")
-        view = _model_view(engine)
+        view = _model_view(state)
         _check_model(path, meta, stored, view)
         if with_optimizer:
-            _check_optimizer(path, meta, stored, engine, view)
+            _check_optimizer(path, meta, stored, state, view)
         if with_scheduler:
-            _check_scheduler(path, meta, stored, engine)
+            _check_scheduler(path, meta, stored, state)
         return view
 
     view = agreed("load_checkpoint", check, group)
@@ -341,9 +348,9 @@ def load_checkpoint(engine, load_dir: Any, tag: Any = None, load_optimizer_state
 
     # The small objects, read by every rank (the same keys everywhere, as DCP asks).
     keys = [k for k in (SCALARS, PARAM_GROUPS, ENGINE, CLIENT_STATE, LR_SCHEDULER) if k in stored]
-    same_world = meta["world_size"] == engine.world_size
+    same_world = meta["world_size"] == state.world_size
     if same_world and not load_module_only:
-        keys += [f"{RNG}{r}" for r in range(engine.world_size) if f"{RNG}{r}" in stored]
+        keys += [f"{RNG}{r}" for r in range(state.world_size) if f"{RNG}{r}" in stored]
     objects: Dict[str, Any] = dict.fromkeys(keys)
     plain = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     agreed(f"load_checkpoint: reading {path!r}",
@@ -360,12 +367,12 @@ def load_checkpoint(engine, load_dir: Any, tag: Any = None, load_optimizer_state
             ranges.append(FlatRange(MODEL + name, p.numel(), 0, target))
         if with_optimizer:
             saved_state, scalars = meta["optimizer"]["state"], objects[SCALARS]
-            engine.sharding.reset_optimizer_state({
+            state.sharding.reset_optimizer_state({
                 s.ds_id: {**dict.fromkeys(saved_state[s.name]), **scalars.get(s.name, {})}
                 for s in view.shards if s.name in saved_state
             })
             for s in view.shards:
-                held = engine.sharding.shard_optimizer_state(s.ds_id)
+                held = state.sharding.shard_optimizer_state(s.ds_id)
                 for key in saved_state.get(s.name, []):
                     if key in held:  # a parameter the engine's optimizer does not train gets none
                         ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, held[key]))
@@ -379,26 +386,35 @@ def load_checkpoint(engine, load_dir: Any, tag: Any = None, load_optimizer_state
     with torch.no_grad():
         for p, flat in copies:
             p.copy_(flat.view(p.shape))
-    engine.sharding.sync_params_from_shards()
+    state.sharding.sync_params_from_shards()
+
+    restored: List[StepCounters] = []  # the counters apply_state read, for the caller to apply
 
     def apply_state():
         if with_optimizer:
-            for group_dict, saved in zip(engine.basic_optimizer.param_groups, objects[PARAM_GROUPS]):
+            for group_dict, saved in zip(state.optimizer.param_groups, objects[PARAM_GROUPS]):
                 group_dict.update({k: v for k, v in saved.items() if k != "params"})
-        if with_scheduler and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(objects[LR_SCHEDULER])
+        if with_scheduler and state.lr_scheduler is not None:
+            state.lr_scheduler.load_state_dict(objects[LR_SCHEDULER])
         if load_module_only:
             return
         counters = objects[ENGINE]
-        engine.global_steps = counters["global_steps"]
+        global_steps = counters["global_steps"]
         # At a window boundary, in the current accumulation length (which may have changed).
-        same_windows = counters["gradient_accumulation_steps"] == engine.gradient_accumulation_steps
-        engine.micro_steps = counters["micro_steps"] if same_windows else engine.global_steps * engine.gradient_accumulation_steps
+        same_windows = counters["gradient_accumulation_steps"] == state.gradient_accumulation_steps
+        # Checkpoints from before fp16 support have no skipped steps nor loss scale; one of a run
+        # without loss scaling leaves an fp16 run's scale where the config starts it.
+        restored.append(StepCounters(
+            global_steps=global_steps,
+            micro_steps=counters["micro_steps"] if same_windows else global_steps * state.gradient_accumulation_steps,
+            skipped_steps=counters.get("skipped_steps", 0)))
+        if counters.get("loss_scaler"):
+            state.loss_scaler.load_state_dict(counters["loss_scaler"])
         if same_world:
-            rng_state.restore(objects[f"{RNG}{rank}"], engine.device)
+            rng_state.restore(objects[f"{RNG}{rank}"], state.device)
         elif rank == 0:
             warnings.warn(f"checkpoint {path!r} was saved by {meta['world_size']} ranks, this run has "
-                          f"{engine.world_size}: the random number generators (per rank) are not restored", stacklevel=4)
+                          f"{state.world_size}: the random number generators (per rank) are not restored", stacklevel=4)
 
     agreed("load_checkpoint", apply_state, group)
-    return path, objects.get(CLIENT_STATE) or {}
+    return path, objects.get(CLIENT_STATE) or {}, (restored[0] if restored else None)

@@ -37,6 +37,7 @@ import torch.nn as nn
 from deepcompile.checkpoint.hf_layout import Conversion, Source, Stored, conversion_for, transformers_conversions
 from deepcompile.checkpoint.safetensors_files import (CheckpointFileError, SafetensorsWeights, ShardedWriter,
                                                        flat_range_blocks, is_weights_file, parse_size)
+from deepcompile.checkpoint.training_state import HoldsTrainingState, TrainingState
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -176,11 +177,9 @@ def load_hf_weights(engine_or_model, path: Union[str, os.PathLike], *, strict: b
     partitioned parameter; the ranks raise together. A plain ``nn.Module`` (not yet given to
     ``deepcompile.initialize``): read whole, in this process alone.
     """
-    from deepcompile.engine import Engine
-
     path = os.fspath(path)
-    if isinstance(engine_or_model, Engine):
-        _load_into_engine(engine_or_model, path, strict)
+    if isinstance(engine_or_model, HoldsTrainingState):  # an engine
+        _load_into_engine(engine_or_model.training_state(), path, strict)
     elif isinstance(engine_or_model, nn.Module):
         _load_into_module(engine_or_model, path, strict)
     else:
@@ -208,8 +207,8 @@ def _load_into_module(module: nn.Module, path: str, strict: bool) -> None:
             entry.tensor.copy_(_read_full(source, weights, entry.shape))
 
 
-def _load_into_engine(engine, path: str, strict: bool) -> None:
-    module, sharding, group = engine.module, engine.sharding, engine.group
+def _load_into_engine(state: TrainingState, path: str, strict: bool) -> None:
+    module, sharding, group = state.module, state.sharding, state.group
     weights, plan, problems = _open_and_plan(module, path, strict)
     _raise_if_any(_agree(problems, group), f"load_hf_weights({path}): the files do not match the model; "
                                            "nothing was loaded")
@@ -222,7 +221,7 @@ def _load_into_engine(engine, path: str, strict: bool) -> None:
                 if shard is not None:
                     if shard.end > shard.start:
                         shard.local.copy_(_read_range(source, weights, entry.shape, shard.start, shard.end))
-                elif hasattr(entry.tensor, "ds_id") and engine.stage == 3:
+                elif hasattr(entry.tensor, "ds_id") and state.stage == 3:
                     raise RuntimeError(f"{entry.names[0]} is partitioned but not listed by the stage's shards()")
                 else:  # replicated: a buffer, or a ZeRO-1/2 parameter the optimizer does not hold
                     entry.tensor.copy_(_read_full(source, weights, entry.shape))
@@ -294,11 +293,13 @@ def _move_into_place(staging: str, directory: str) -> None:
     shutil.rmtree(previous)
 
 
-def save_hf(engine, directory: Union[str, os.PathLike], *, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
-    """Write the engine's model as ``save_pretrained`` does (see ``Engine.save_hf``). Collective."""
+def save_hf(state: TrainingState, directory: Union[str, os.PathLike], *,
+            max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write the model of ``state`` (an engine's) as ``save_pretrained`` does (see ``Engine.save_hf``).
+    Collective."""
     directory = os.path.abspath(os.fspath(directory))
     max_bytes = parse_size(max_shard_size)
-    module, sharding, group = engine.module, engine.sharding, engine.group
+    module, sharding, group = state.module, state.sharding, state.group
     conversions = transformers_conversions(module)
     entries = _module_entries(module)
     # Refused the same way on every rank before anything is gathered: the module decides it.
