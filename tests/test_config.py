@@ -324,10 +324,45 @@ def test_direct_construction_is_validated():
     assert c.compile == CompileConfig(prefetch=False)
 
 
-def test_fp16_enabled_is_rejected():
+def test_fp16_enabled_is_refused_until_loss_scaling_lands(monkeypatch):
+    from deepcompile.config import features
+
+    monkeypatch.setattr(features, "FP16_LOSS_SCALING", False)
     msg = err(make(fp16={"enabled": True}))
     assert "fp16.enabled" in msg and "fp16 is not supported; use bf16" in msg
     assert Config.from_any(make(fp16={"enabled": False})).fp16.enabled is False
+    monkeypatch.setattr(features, "FP16_LOSS_SCALING", True)
+    assert Config.from_any(make(fp16={"enabled": True})).fp16.enabled is True
+
+
+def test_fp16_section_has_deepspeeds_defaults():
+    f = Config.from_any(make(fp16={"enabled": False})).fp16
+    assert (f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis,
+            f.min_loss_scale, f.auto_cast) == (0.0, 16, 1000, 2, False, 1.0, False)
+    assert f.dynamic_loss_scale
+    f = Config.from_any(make(fp16={"enabled": False, "loss_scale": 128, "initial_scale_power": 8,
+                                   "loss_scale_window": 10, "hysteresis": 1, "consecutive_hysteresis": True,
+                                   "min_loss_scale": 0.5})).fp16
+    assert (f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis,
+            f.min_loss_scale) == (128.0, 8, 10, 1, True, 0.5)
+    assert not f.dynamic_loss_scale
+    assert "fp16.min_loss_scale must be a number in (0.0" in err(make(fp16={"min_loss_scale": 0}))
+    assert "fp16.loss_scale_window must be a positive integer" in err(make(fp16={"loss_scale_window": 0}))
+
+
+def test_fp16_and_bf16_together_are_refused(monkeypatch):
+    from deepcompile.config import features
+
+    monkeypatch.setattr(features, "FP16_LOSS_SCALING", True)
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(make(fp16={"enabled": True}, bf16={"enabled": True}))
+    assert e.value.keys == ["fp16.enabled"] and "both true" in str(e.value)
+    # "auto" for both: the model's dtype picks at most one.
+    c = Config.from_any(make(fp16={"enabled": "auto"}, bf16={"enabled": "auto"}))
+    r = c.resolve(2, _Model(dtype=torch.float16))
+    assert (r.fp16.enabled, r.bf16.enabled) == (True, False)
+    r = c.resolve(2, _Model(dtype=torch.bfloat16))
+    assert (r.fp16.enabled, r.bf16.enabled) == (False, True)
 
 
 def test_zero_param_offload_to_cpu_is_accepted_under_zero3_only():
@@ -486,7 +521,7 @@ def test_all_problems_are_reported_at_once():
     d = {
         "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "offload_param": {"device": "nvme"},
                               "stgae": 1},
-        "fp16": {"enabled": True},
+        "fp16": {"enabled": False, "auto_cast": True},
         "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
         "gradient_clipping": "auto",
         "tensorboard": {"enabled": True},
@@ -497,7 +532,7 @@ def test_all_problems_are_reported_at_once():
     assert sorted(e.value.keys) == sorted([
         "foo", "zero_optimization.stgae", "zero_optimization.zero_quantized_weights",
         "zero_optimization.offload_param.device",
-        "fp16.enabled", "optimizer.type", "gradient_clipping", "tensorboard.enabled"])
+        "fp16.auto_cast", "optimizer.type", "gradient_clipping", "tensorboard.enabled"])
     msg = str(e.value)
     assert msg.startswith("8 problems in the config:")
     assert "TrainingArguments.max_grad_norm" in msg  # why gradient_clipping "auto" cannot be derived
@@ -616,7 +651,10 @@ def test_auto_bucket_sizes_follow_the_hidden_size():
     assert c.resolve(2, m).zero_optimization.reduce_bucket_size == 32 * 32
 
 
-def test_auto_precision_follows_the_model_dtype():
+def test_auto_precision_follows_the_model_dtype(monkeypatch):
+    from deepcompile.config import features
+
+    monkeypatch.setattr(features, "FP16_LOSS_SCALING", False)
     d = make(bf16={"enabled": "auto"}, fp16={"enabled": "auto"})
     assert Config.from_any(d).resolve(2, _Model(dtype=torch.bfloat16)).bf16.enabled is True
     c = Config.from_any(d).resolve(2, _Model())

@@ -1,7 +1,7 @@
-"""DeepSpeed configs as real projects publish them (issue 16, part 5), and the engine features
-their keys switch on.
+"""DeepSpeed configs as real projects publish them (issue 16, part 5; issue 29, item 3), and the
+engine features their keys switch on.
 
-The fixtures in ``fixtures/ds_configs/`` are the published configs of three projects, unchanged
+The fixtures in ``fixtures/ds_configs/`` are the published configs of six projects, unchanged
 (``SOURCES`` says where each comes from). For each one:
 
 * as published: parsing reports exactly the keys deepcompile cannot derive (the ``"auto"`` values
@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from deepcompile.config import Config, ConfigError
+from deepcompile.config.features import FP16_LOSS_SCALING
 from _harness.multiproc import run_distributed
 
 WORLD = 2
@@ -46,6 +47,20 @@ SOURCES = {
     "dschat_train_zero3_bf16": "https://github.com/deepspeedai/DeepSpeedExamples/blob/master/applications/"
                                "DeepSpeed-Chat/dschat/utils/ds_utils.py: get_train_ds_config(offload=False, "
                                "dtype='bf16', stage=3) with its other arguments at their defaults",
+    # The fine-tuning projects' ZeRO-3 configs (issue 29, item 3): DeepSpeed's unprefixed aliases,
+    # limits at 0, sub_group_size 0, overlap_comm false, both offloads, fp16/bf16 "auto", and keys
+    # DeepSpeed itself ignores (monitor_config, comms_config).
+    "axolotl_zero3_bf16": "https://github.com/axolotl-ai-cloud/axolotl/blob/1aaebb0dc1229adf56a7c8e0eeed91c6094b7715/"
+                          "deepspeed_configs/zero3_bf16.json",
+    "axolotl_zero3_bf16_cpuoffload_all": "https://github.com/axolotl-ai-cloud/axolotl/blob/"
+                                         "1377ccc3e46bdc1c8b01a9c23da57446b85aa1d5/deepspeed_configs/"
+                                         "zero3_bf16_cpuoffload_all.json",
+    "llamafactory_ds_z3": "https://github.com/hiyouga/LLaMA-Factory/blob/1d6e8b218240c154638f9bdcb76a1a089c27891b/"
+                          "examples/deepspeed/ds_z3_config.json",
+    "ms_swift_zero3": "https://github.com/modelscope/ms-swift/blob/35992c1cc9092af233edbd75a2aefcd496d6fc19/"
+                      "swift/llm/ds_config/zero3.json",
+    "ms_swift_zero3_offload": "https://github.com/modelscope/ms-swift/blob/401737e2bbd49e03a60cedb154847dbe01cc58c4/"
+                              "swift/llm/ds_config/zero3_offload.json",
 }
 
 
@@ -108,6 +123,8 @@ def _cifar_edit(d):
         del d["bf16"][k]
 
 
+# fp16.enabled: true is refused until deepcompile's loss scaler lands (config/features.py).
+FP16 = [] if FP16_LOSS_SCALING else ["fp16.enabled"]
 NOT_DERIVABLE_HF = ["gradient_clipping", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.lr",
                     "optimizer.params.weight_decay", "scheduler.params.warmup_num_steps"]
 # offload_optimizer and (ZeRO-3) offload_param with device "cpu" are implemented (deepcompile/offload/):
@@ -118,26 +135,35 @@ CASES: Dict[str, tuple] = {
     "hf_transformers_docs_zero3": (NOT_DERIVABLE_HF, [], None, torch.float32),
     "hf_transformers_zero3_bf16": (NOT_DERIVABLE_HF, [], None, torch.bfloat16),
     "accelerate_zero_stage2": (
-        ["fp16.enabled", "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
-         "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"],
-        ["fp16.enabled"], _fp16_to_bf16, torch.float32),
+        FP16 + ["gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
+                "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"],
+        FP16, _fp16_to_bf16, torch.float32),
     "accelerate_zero_stage3_offload": (
-        ["fp16.enabled", "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
-         "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"],
-        ["fp16.enabled"], None, torch.float32),
+        FP16 + ["gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
+                "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"],
+        FP16, None, torch.float32),
     "dsexamples_cifar": (
         ["bf16.hysteresis", "bf16.initial_scale_power", "bf16.loss_scale", "bf16.loss_scale_window",
          "bf16.min_loss_scale", "zero_optimization.stage"],
         None, _cifar_edit, torch.float32),  # None: nothing to fill, refused as published
     "dschat_train_zero3_bf16": ([], [], None, torch.float32),
+    "axolotl_zero3_bf16": (["gradient_clipping"], [], None, torch.float32),
+    "axolotl_zero3_bf16_cpuoffload_all": (["gradient_clipping"], [], None, torch.float32),
+    "llamafactory_ds_z3": (["gradient_clipping"], [], None, torch.bfloat16),  # bf16 "auto" follows the model
+    "ms_swift_zero3": (["gradient_clipping"], [], None, torch.float32),
+    "ms_swift_zero3_offload": (NOT_DERIVABLE_HF + ["scheduler.params.total_num_steps"], [], None, torch.float32),
 }
+# Checked up to initialize's resolution (below) but not trained on 2 ranks: what they switch on is
+# trained by the other cases (CI time).
+# accelerate's fp16 template trains in tests/test_fp16_training.py's domain once fp16 is accepted.
+RESOLVE_ONLY = {"axolotl_zero3_bf16", "ms_swift_zero3", "ms_swift_zero3_offload", "accelerate_zero_stage3_offload"}
 
 
 def test_every_fixture_has_a_source_and_a_case():
     names = sorted(p.stem for p in FIXTURES.glob("*.json"))
     assert names == sorted(SOURCES) == sorted(CASES)
     projects = {SOURCES[n].split("/")[4] for n in names}
-    assert projects == {"transformers", "accelerate", "DeepSpeedExamples"}
+    assert projects == {"transformers", "accelerate", "DeepSpeedExamples", "axolotl", "LLaMA-Factory", "ms-swift"}
 
 
 class HFTiny(nn.Module):
@@ -172,11 +198,14 @@ def test_published_config_is_refused_for_exactly_the_unsupported_keys(name):
 
 
 def test_refusals_say_why():
-    with pytest.raises(ConfigError) as e:
+    if FP16_LOSS_SCALING:  # both of its offloads (optimizer, ZeRO-3 parameters) and fp16 are accepted
         Config.from_any(hf_fill(load("accelerate_zero_stage3_offload")))
-    msg = str(e.value)
-    assert "fp16 is not supported; use bf16" in msg
-    assert "offload" not in msg  # both of its offloads (optimizer, ZeRO-3 parameters) are accepted
+    else:
+        with pytest.raises(ConfigError) as e:
+            Config.from_any(hf_fill(load("accelerate_zero_stage3_offload")))
+        msg = str(e.value)
+        assert "fp16 is not supported; use bf16" in msg
+        assert "offload" not in msg  # both of its offloads (optimizer, ZeRO-3 parameters) are accepted
     with pytest.raises(ConfigError) as e:
         Config.from_any(load("hf_transformers_docs_zero3"))
     assert "TrainingArguments.learning_rate" in str(e.value)
@@ -217,7 +246,47 @@ DERIVED = {
     "accelerate_zero_stage2": (4, 2, 1, 64, 50_000_000, 100_000, True),
     "dsexamples_cifar": (16, 8, 1, 50_000_000, 50_000_000, 100_000, True),
     "dschat_train_zero3_bf16": (32, 4, 4, 500_000_000, 30_000_000, 10_000, True),
+    "accelerate_zero_stage3_offload": (4, 2, 1, 64, 57, 80, False),
+    "axolotl_zero3_bf16": (8, 2, 2, 64, 57, 80, True),
+    "axolotl_zero3_bf16_cpuoffload_all": (8, 2, 2, 64, 57, 80, True),
+    "llamafactory_ds_z3": (8, 2, 2, 64, 57, 80, True),
+    "ms_swift_zero3": (8, 2, 2, 64, 57, 80, False),
+    "ms_swift_zero3_offload": (8, 2, 2, 64, 57, 80, False),
 }
+
+
+def _derived(c):
+    z = c.zero_optimization
+    return (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+            z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, c.bf16.enabled)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c[2] is not None or not c[1]))
+def test_config_resolves_at_world_size_2(name):
+    # What initialize derives from the "auto" values, without starting any process.
+    c = Config.from_any(trainable_config(name)).resolve(WORLD, HFTiny(CASES[name][3]))
+    assert _derived(c) == DERIVED[name]
+    assert c.resolve(WORLD, HFTiny(CASES[name][3])) == c  # idempotent
+
+
+def test_fine_tuning_configs_mean_what_deepspeed_means():
+    from deepcompile.config.rules import optional_passes
+    from deepcompile.scheduling.schedule import PassSchedule
+
+    model = HFTiny()
+    axolotl = Config.from_any(trainable_config("axolotl_zero3_bf16_cpuoffload_all")).resolve(WORLD, model)
+    z = axolotl.zero_optimization
+    # Unprefixed aliases land on the stage3_ keys; 0 limits turn their pass off (DeepSpeed then
+    # prefetches nothing and keeps no released parameter); sub_group_size 0 is one parameter per group.
+    assert (z.stage3_max_live_parameters, z.stage3_max_reuse_distance, z.sub_group_size) == (0, 0, 1)
+    assert z.stage3_gather_16bit_weights_on_model_save is True
+    assert z.offload_param.pin_memory and z.offload_optimizer.pin_memory
+    assert optional_passes(axolotl) == frozenset() and PassSchedule.from_config(axolotl).entries == []
+    llama_factory = Config.from_any(trainable_config("llamafactory_ds_z3")).resolve(WORLD, model)
+    assert llama_factory.zero_optimization.overlap_comm is False
+    assert llama_factory.bf16.enabled is False and llama_factory.fp16.enabled is False  # fp32 model
+    assert llama_factory.monitor_config["enabled"] is True  # kept, read by nothing, as DeepSpeed does
+    assert optional_passes(llama_factory) == {"prefetch", "selective_gather"}
 
 
 def _fixture_body(ctx, name: str, compile_backend: Optional[str]):
@@ -234,9 +303,7 @@ def _fixture_body(ctx, name: str, compile_backend: Optional[str]):
         lr_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))  # noqa: E731
     engine = deepcompile.initialize(model, optimizer, cfg, lr_scheduler=lr_scheduler)
     c = engine.config
-    z = c.zero_optimization
-    got = (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
-           z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, c.bf16.enabled)
+    got = _derived(c)
     assert got == DERIVED[name], got
     if c.bf16.enabled:
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -269,7 +336,7 @@ def _fixture_body(ctx, name: str, compile_backend: Optional[str]):
     engine.destroy()
 
 
-TRAINABLE = sorted(n for n, c in CASES.items() if c[2] is not None or not c[1])
+TRAINABLE = sorted(n for n, c in CASES.items() if (c[2] is not None or not c[1]) and n not in RESOLVE_ONLY)
 
 
 @pytest.mark.parametrize("name", TRAINABLE)

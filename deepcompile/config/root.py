@@ -13,7 +13,7 @@ from deepcompile.config.batch import complete_batch_sizes
 from deepcompile.config.compile_section import CompileConfig
 from deepcompile.config.deepspeed_sections import (ActivationCheckpointingConfig, CsvMonitorConfig, HybridEngineConfig,
                                                    TensorboardConfig, WandbConfig)
-from deepcompile.config.optim import OptimizerConfig, SchedulerConfig, HF_FILLS
+from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig, HF_FILLS
 from deepcompile.config.precision import Bf16Config, Fp16Config, communication_data_type
 from deepcompile.config.schema import Section, fixed_key, key, no_effect_key, section
 from deepcompile.config.validators import any_object, boolean, integer, number, optional
@@ -143,3 +143,26 @@ class Config(Section):
     def runtime_config(self) -> Dict[str, Any]:
         """Keyword arguments for :class:`deepcompile.runtime.RuntimeConfig`."""
         return runtime_settings.runtime_config(self)
+
+
+_SECTIONS = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": Bf16Config, "fp16": Fp16Config,
+             "activation_checkpointing": ActivationCheckpointingConfig, "tensorboard": TensorboardConfig,
+             "csv_monitor": CsvMonitorConfig, "wandb": WandbConfig, "hybrid_engine": HybridEngineConfig,
+             "optimizer": OptimizerConfig, "scheduler": SchedulerConfig}
+
+
+def accepted_keys() -> List[str]:
+    """Every dotted key a config may hold (aliases aside): the sections' fields and the
+    ``params`` keys of every optimizer and scheduler type. The ``optimizer`` and ``scheduler``
+    sections are keys of their own; their ``params`` object is not."""
+    keys = {"optimizer", "scheduler"}
+    for f in dataclasses.fields(Config):
+        cls = _SECTIONS.get(f.name)
+        if cls is None:
+            keys.add(f.name)
+            continue
+        keys.update(f"{f.name}.{g.name}" for g in dataclasses.fields(cls) if g.name != "params")
+    for section, types in (("optimizer", OPTIMIZER_TYPES), ("scheduler", SCHEDULER_TYPES)):
+        for spec in types.values():
+            keys.update(f"{section}.params.{name}" for name in spec)
+    return sorted(keys)
