@@ -1,0 +1,78 @@
+"""A transformers Trainer script with DeepSpeed ZeRO-3, running on deepcompile.
+
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --deepspeed examples/ds_config_zero3.json
+
+The script is an ordinary Trainer script; the only deepcompile-specific lines are the two at the
+top, which must run before transformers' Trainer is imported. It trains a tiny Llama (logging
+loss and grad norm every step), evaluates, and saves the model (full 16-bit weights, from the
+config's stage3_gather_16bit_weights_on_model_save) for ``from_pretrained``. Without --deepspeed
+it is the same run without DeepSpeed (the tests' single-process reference). With --out, rank 0
+writes the log history and evaluation metrics to a JSON file.
+"""
+
+import deepcompile
+
+deepcompile.serve_as_deepspeed()  # `import deepspeed` is now deepcompile: Trainer's DeepSpeed path runs on it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_tiny import CausalLMRows, build_model, token_rows  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--deepspeed", help="DeepSpeed config file (absent: no DeepSpeed)")
+    p.add_argument("--output-dir", default="out/hf_trainer")
+    p.add_argument("--rows", type=int, default=48)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every this many steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--out")
+    args = p.parse_args()
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        deepspeed=args.deepspeed,
+        per_device_train_batch_size=args.micro_batch,
+        per_device_eval_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.accumulation,
+        learning_rate=1e-2,
+        weight_decay=0.0,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        num_train_epochs=1,
+        max_steps=args.max_steps,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=build_model(seed=0),
+        args=training_args,
+        train_dataset=CausalLMRows(token_rows(args.rows, seed=0)),
+        eval_dataset=CausalLMRows(token_rows(8, seed=1)),
+    )
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(args.output_dir, "model"))
+
+    if trainer.is_world_process_zero() and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"log_history": trainer.state.log_history, "eval": metrics,
+                       "world_size": training_args.world_size,
+                       "engine": type(trainer.model_wrapped).__module__}, f)
+
+
+if __name__ == "__main__":
+    main()
