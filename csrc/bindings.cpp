@@ -96,6 +96,12 @@ at::Tensor pinnedHostBuffer(int64_t nbytes) {
 // another Python thread must never be blocked behind a thread that waits for them.
 PYBIND11_MODULE(_C, m) {
   m.doc() = "deepcompile runtime: control API (the ops are registered as torch.ops.dc.*)";
+  // Whether setup.py found CUDA and NCCL (DC_WITH_NCCL): `deepcompile env` reports it.
+#ifdef DC_WITH_NCCL
+  m.attr("built_with_nccl") = true;
+#else
+  m.attr("built_with_nccl") = false;
+#endif
   m.def("init", &init, "Create the runtime (replacing any previous one)", py::call_guard<py::gil_scoped_release>());
   m.def("cleanup", &destroyRuntime, "Destroy the runtime; safe to call when none exists", py::call_guard<py::gil_scoped_release>());
   m.def("is_initialized", &runtimeInitialized);

@@ -37,6 +37,7 @@ __all__ = [
     "cleanup",
     "reset",
     "is_initialized",
+    "built_with_nccl",
     "register_z3_params",
     "register_z3_param",
     "register_z12_param",
@@ -162,6 +163,12 @@ atexit.register(_cleanup_at_exit)
 
 def is_initialized() -> bool:
     return _C.is_initialized()
+
+
+def built_with_nccl() -> Optional[bool]:
+    """Whether the extension was compiled with its CUDA/NCCL path (``device='cuda'``); None for
+    an extension built before it recorded this (rebuild to know)."""
+    return getattr(_C, "built_with_nccl", None)
 
 
 def world_size() -> int:

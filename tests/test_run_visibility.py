@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 
+import pytest
 import torch
 
 from _harness.multiproc import run_distributed
@@ -127,10 +128,12 @@ def _configured_body(ctx):
         assert len(step_lines) == 1, mine.getvalue()
 
 
+@pytest.mark.world_size(2)
 def test_rank0_prints_the_run_without_logging_setup(tmp_path):
     run_distributed(_body, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
 
 
+@pytest.mark.world_size(2)
 def test_log_level_env_quiets_and_user_logging_wins():
     run_distributed(_quiet_body, 2, timeout=300)
     run_distributed(_configured_body, 2, timeout=300)
@@ -167,8 +170,6 @@ def test_heartbeat_while_a_long_operation_runs(caplog):
 
 
 def test_log_level_env_is_checked(monkeypatch):
-    import pytest
-
     from deepcompile import logging_setup
 
     monkeypatch.setenv("DEEPCOMPILE_LOG_LEVEL", "debug")
