@@ -1,8 +1,10 @@
 """Train a small Llama with deepcompile ZeRO-3 and check it against single-process training.
 
-    torchrun --nproc-per-node 2 examples/train_llama.py [--steps 8] [--backend inductor|eager]
+    torchrun --nproc-per-node 2 examples/train_llama.py [--steps 8] [--backend inductor|eager] [--cpu]
 
-Runs on the GPUs present (NCCL, one per process) or on CPU (gloo). Each rank trains on its slice
+Runs on GPUs with NCCL, one per process, when the machine has at least as many GPUs as this node
+runs processes; otherwise (no GPU, or one GPU for two processes) every process runs on the CPU
+with gloo, so the command above works on a laptop and on a one-GPU box alike. Each rank trains on its slice
 of every global batch; per step rank 0 prints the loss (mean over ranks), the step time and the
 tokens/s over all ranks. At the end rank 0 retrains the same model on the whole batches in one
 process and checks losses and final parameters against the distributed run.
@@ -22,6 +24,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import deepcompile
 
 VOCAB, SEQ = 256, 32
+
+
+def training_device(force_cpu: bool = False) -> torch.device:
+    """This process's GPU when every process of this node can have its own, else the CPU.
+
+    Checked before the process group exists, so that the backend fits the device: NCCL needs one
+    GPU per process, and two processes on one GPU would fail at the first collective."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if force_cpu or not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def build_model(device: torch.device) -> torch.nn.Module:
@@ -104,13 +119,11 @@ def main() -> int:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--rtol", type=float, default=None, help="default: 1e-4 (inductor) / 1e-5 (eager)")
     parser.add_argument("--offload", action="store_true", help="optimizer-state offload to host memory")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU with gloo even where there are GPUs")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    device = training_device(force_cpu=args.cpu)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_rank() == 0:
         print(f"deepcompile ZeRO-3: {dist.get_world_size()} ranks on {device.type}, backend {args.backend}", flush=True)
 
