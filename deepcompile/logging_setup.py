@@ -12,7 +12,8 @@ engine is built, but only when the program has configured nothing itself:
   level (the other ranks never go below WARNING): ``WARNING`` quiets a run, ``OFF`` silences it;
 * a program that configured logging keeps its configuration: a handler on the root logger or on
   the ``deepcompile`` logger, or a level set on the ``deepcompile`` logger, means nothing here is
-  touched. A program that configures the root logger *later* (``logging.basicConfig`` after
+  touched, and so is a level the program sets on it after an engine added the handler. A
+  program that configures the root logger *later* (``logging.basicConfig`` after
   ``initialize``) takes over too: the handler added here then stays quiet, so no line is printed
   twice.
 """
@@ -37,6 +38,7 @@ class _StderrHandler(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__(sys.stderr)
         self.setFormatter(logging.Formatter("[deepcompile] %(message)s"))
+        self.level_set = logging.NOTSET  # the logger level show_progress set last
 
     @property
     def stream(self):
@@ -52,10 +54,15 @@ class _StderrHandler(logging.StreamHandler):
         return super().filter(record)
 
 
+def _ours(logger: logging.Logger):
+    return next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
+
+
 def _user_configured(logger: logging.Logger) -> bool:
-    ours = [h for h in logger.handlers if isinstance(h, _StderrHandler)]
-    if ours:
-        return False
+    ours = _ours(logger)
+    if ours is not None:
+        # Ours, unless the program has set the logger's level since we did.
+        return logger.level != ours.level_set
     return bool(logging.getLogger().handlers or logger.handlers or logger.level != logging.NOTSET)
 
 
@@ -77,9 +84,12 @@ def show_progress(rank: int) -> bool:
     if _user_configured(logger):
         return False
     level = requested_level(rank)
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        logger.addHandler(_StderrHandler())
+    ours = _ours(logger)
+    if ours is None:
+        ours = _StderrHandler()
+        logger.addHandler(ours)
     logger.setLevel(level)
+    ours.level_set = level
     return True
 
 

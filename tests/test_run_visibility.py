@@ -178,3 +178,33 @@ def test_log_level_env_is_checked(monkeypatch):
     monkeypatch.setenv("DEEPCOMPILE_LOG_LEVEL", "loud")
     with pytest.raises(ValueError, match="DEEPCOMPILE_LOG_LEVEL='loud': expected one of DEBUG, INFO"):
         logging_setup.requested_level(0)
+
+
+def test_show_progress_leaves_the_programs_configuration_alone():
+    from deepcompile import logging_setup
+
+    root, logger = logging.getLogger(), logging.getLogger("deepcompile")
+    saved = (list(root.handlers), list(logger.handlers), logger.level)
+    try:
+        for h in saved[0]:
+            root.removeHandler(h)
+        for h in saved[1]:
+            logger.removeHandler(h)
+        logger.setLevel(logging.NOTSET)
+        assert logging_setup.show_progress(0) and logger.level == logging.INFO
+        assert logging_setup.show_progress(1) and logger.level == logging.WARNING  # a second engine, rank 1
+        assert len(logger.handlers) == 1
+        logger.setLevel(logging.ERROR)  # the program's choice, after the handler was added
+        assert not logging_setup.show_progress(0) and logger.level == logging.ERROR
+        logging_setup.remove_handler()
+        root.addHandler(logging.NullHandler())  # the program configured logging before initialize
+        assert not logging_setup.show_progress(0) and not logger.handlers and logger.level == logging.NOTSET
+    finally:
+        logging_setup.remove_handler()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        for h in saved[1]:
+            logger.addHandler(h)
+        logger.setLevel(saved[2])
