@@ -35,10 +35,11 @@ from deepcompile.zero.stage12 import Zero12Sharding
 
 
 def _check_implemented(config: Config) -> None:
-    """Refuse or announce accepted settings whose feature does not apply (never ignore them silently)."""
-    if config.zero_optimization.stage != 3 and config.compile.schedule and dist.get_rank() == 0:
-        warnings.warn("compile.schedule holds ZeRO-3 passes only; it has no effect with stage "
-                      f"{config.zero_optimization.stage}", stacklevel=3)
+    """Announce accepted settings whose feature does not apply (never ignore them silently); the
+    rules are rows of deepcompile/config/rules.py (NOTICES)."""
+    if dist.get_rank() == 0:
+        for notice in config.notices():
+            warnings.warn(notice, stacklevel=3)
 
 
 def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,

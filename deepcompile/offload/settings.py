@@ -1,19 +1,8 @@
-"""Optimizer-state offload settings, from the config keys that turn it on.
+"""Optimizer-state offload settings: what the offload keys switch on, and the memory budget.
 
-* ``compile.offload_opt_states: true``: offload what the memory budget requires (DeepCompile's
-  switch); buffers are pinned.
-* ``zero_optimization.offload_optimizer: {"device": "cpu", ...}`` (DeepSpeed's switch): at least
-  ``ratio`` (default 1.0: all) of the offloadable bytes, more if the budget requires;
-  ``pin_memory`` (default false, as DeepSpeed) chooses pinned buffers.
-
-Both together: the larger requirement holds, and buffers are pinned if either asks for it.
-
-Parameter offload (ZeRO-3 only) rides on the same machinery: ``compile.offload_parameters: true``
-(pinned buffers) or ``zero_optimization.offload_param: {"device": "cpu", "pin_memory": bool}``
-makes every ZeRO-3 master shard (the all-gather source) an offload unit that always lives on the
-host between steps; gathers read it from there (``runtime.set_host_shard``). The optimizer's state
-is then offloaded only as far as the settings above say: with neither of them, only what the
-budget requires.
+Which keys turn optimizer-state and parameter offload on, how two switches combine (the larger
+offloaded share, pinned if either asks) and when buffers are pinned are config rules
+(``deepcompile/config/rules.py: offload_switches``); this module adds the budget.
 
 The budget is ``compile.memory_budget_bytes``, else ``compile.memory_budget_fraction`` of the
 GPU's memory. A CPU device has no device memory of its own to plan for: there only
@@ -27,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from deepcompile.config.rules import offload_switches, parameter_offload_keys  # noqa: F401 (re-exported)
 from deepcompile.offload import device_memory
 
 
@@ -47,27 +37,12 @@ class OptStateOffloadSettings:
     offload_state: bool = True
 
 
-def parameter_offload_keys(config) -> str:
-    """The config key(s) that turn parameter offload on ("" when off)."""
-    keys = [k for k, on in (("compile.offload_parameters", config.compile.offload_parameters),
-                            ("zero_optimization.offload_param", config.zero_optimization.offload_param is not None))
-            if on]
-    return " and ".join(keys)
-
-
 def opt_state_offload_settings(config, device: torch.device) -> Optional[OptStateOffloadSettings]:
-    """None when optimizer-state offload is off."""
-    by_compile = config.compile.offload_opt_states
-    zero = config.zero_optimization.offload_optimizer
-    params_by = parameter_offload_keys(config)
-    if not by_compile and zero is None and not params_by:
+    """None when optimizer-state offload is off. What the keys switch on is decided by the config
+    (``deepcompile/config/rules.py: offload_switches``); the budget is measured here."""
+    switches = offload_switches(config, device.type)
+    if switches is None:
         return None
-    enabled_by = " and ".join([k for k, on in (("compile.offload_opt_states", by_compile),
-                                                ("zero_optimization.offload_optimizer", zero is not None)) if on]
-                              + ([params_by] if params_by else []))
-    param = config.zero_optimization.offload_param
-    pin = device.type == "cuda" and (by_compile or (zero is not None and zero.pin_memory)
-                                     or config.compile.offload_parameters or (param is not None and param.pin_memory))
     cc = config.compile
     if cc.memory_budget_bytes is not None:
         budget, name = cc.memory_budget_bytes, "compile.memory_budget_bytes"
@@ -76,6 +51,6 @@ def opt_state_offload_settings(config, device: torch.device) -> Optional[OptStat
         name = f"compile.memory_budget_fraction {cc.memory_budget_fraction} of the device's memory"
     else:
         budget, name = None, "none (CPU device without compile.memory_budget_bytes)"
-    return OptStateOffloadSettings(enabled_by, zero.ratio if zero is not None else 0.0, pin, budget, name,
-                                   offload_masters=bool(params_by), force_masters=param is not None,
-                                   offload_state=by_compile or zero is not None)
+    return OptStateOffloadSettings(switches.enabled_by, switches.min_fraction, switches.pin_memory, budget, name,
+                                   offload_masters=switches.offload_masters, force_masters=switches.force_masters,
+                                   offload_state=switches.offload_state)
