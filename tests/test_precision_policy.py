@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from deepcompile.config import Config, ConfigError
 from deepcompile.precision.loss_scaler import LossScaler, NoLossScaling
 from deepcompile.precision.policy import PrecisionPolicy
 
@@ -41,3 +43,24 @@ def test_fp16_casts_parameters_and_scales_the_loss_with_the_sections_keys():
     assert scaler.settings.hysteresis == 1
     static = PrecisionPolicy.from_config(config(fp16=True, loss_scale=128.0)).make_loss_scaler()
     assert not static.dynamic and static.loss_scale == 128.0
+
+
+def test_fp16_config_is_read_with_deepspeeds_defaults():
+    c = Config.from_any({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 0}}).resolve(2)
+    scaler = PrecisionPolicy.from_config(c).make_loss_scaler()
+    assert scaler.loss_scale == 2.0 ** 16
+    assert (scaler.settings.loss_scale_window, scaler.settings.hysteresis, scaler.settings.min_loss_scale) == (1000, 2, 1)
+
+
+@pytest.mark.parametrize("extra,key", [
+    # The step in the backward updates before an overflow is known.
+    ({"compile": {"optimizer_step_in_backward": True}}, "compile.optimizer_step_in_backward"),
+    # ZeRO-1/2 reduce in the parameters' dtype: fp16 once fp16 casts them.
+    ({"zero_optimization": {"stage": 2}, "communication_data_type": "fp32"}, "communication_data_type"),
+])
+def test_fp16_refuses_what_cannot_skip_an_overflow_or_reduce_as_asked(extra, key):
+    d = {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}, **extra}
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(d).resolve(2)
+    assert [k for k, _ in e.value.problems] == [key], e.value.problems
+    assert "fp16" in str(e.value) or "float16" in str(e.value)

@@ -6,4 +6,4 @@ DeepSpeed's dynamic loss scaling. Until then ``fp16.enabled: true`` is refused a
 loss-scaling keys are inert (``inert.INERT``). Flipping it is the one change the config needs.
 """
 
-FP16_LOSS_SCALING = False
+FP16_LOSS_SCALING = True

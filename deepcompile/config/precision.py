@@ -40,8 +40,9 @@ class Fp16Config(Section):
     """``fp16``: DeepSpeed's keys and defaults for fp16 with loss scaling."""
 
     _path = "fp16"
-    enabled: bool = key(_fp16_enabled, False, "fp16 training with loss scaling (refused until deepcompile's loss "
-                        "scaler lands: use bf16). fp16 and bf16 together are an error.",
+    enabled: bool = key(_fp16_enabled, False, "fp16 training with DeepSpeed's loss scaling (deepcompile/precision/): "
+                        "parameters cast to fp16, fp32 masters; an overflow skips the step on every rank. fp16 and "
+                        "bf16 together are an error.",
                         auto="true when the model's floating-point parameters are fp16")
     auto_cast: bool = fixed_key("fp16.auto_cast")
     loss_scale: float = _scaling_key("loss_scale", number(0.0), 0.0,

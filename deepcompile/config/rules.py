@@ -78,6 +78,13 @@ def _sib_clipping(c) -> Optional[str]:
     return None
 
 
+def _sib_fp16(c) -> Optional[str]:
+    if c.fp16.enabled is True:
+        return ("fp16.enabled is true: a step in the backward updates parameters before the window's last gradient "
+                "shows whether any overflowed, and an overflowed step is skipped on every rank (precision/)")
+    return None
+
+
 def _sib_offload(c) -> Optional[str]:
     z = c.zero_optimization
     offloads = [name for name, on in (("compile.offload_opt_states", c.compile.offload_opt_states),
@@ -122,7 +129,9 @@ def _z12_reduce_dtype(c, facts) -> Optional[str]:
     want = c.communication_data_type
     if want is None or c.zero_optimization.stage == 3:
         return None
-    trained = {"bfloat16"} if c.bf16.enabled is True else set(facts.trained_dtypes)
+    # What the engine casts the parameters to (precision/policy.py), else the model's own dtypes.
+    trained = ({"bfloat16"} if c.bf16.enabled is True else {"float16"} if c.fp16.enabled is True
+               else set(facts.trained_dtypes))
     wanted = "float32" if want == "fp32" else "bfloat16"
     if not trained or trained == {wanted}:
         return None
@@ -140,6 +149,7 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule(_SIB, "parse", _step_in_backward(_sib_stage)),
     Rule(_SIB, "parse", _step_in_backward(_sib_clipping)),
     Rule(_SIB, "parse", _step_in_backward(_sib_offload)),
+    Rule(_SIB, "resolve", _step_in_backward(_sib_fp16)),  # resolve: fp16.enabled may be "auto"
     Rule("fp16.enabled", "parse", _both_half_precisions),
     Rule("zero_optimization.stage3_max_live_parameters", "parse",
          _limit_zero_vs_schedule("stage3_max_live_parameters", "prefetch", "turns prefetching off")),
