@@ -51,10 +51,11 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # Config is data: it names the runtime's settings and the passes, it does not load them.
     "config": (),
     "optim_builder": ("config",),
-    # The C++ runtime's Python face, and what builds on it without knowing the engine.
+    # The C++ runtime's Python face, and what builds on it without knowing the engine (reading
+    # the config's cross-feature rules, config/rules.py, where it needs them).
     "runtime": ("_C", "compat"),
     "profiling": ("compat", "runtime"),
-    "offload": ("_C", "compat", "runtime"),
+    "offload": ("_C", "compat", "config", "runtime"),
     # ZeRO stages: plug-in points (StateAccess, sub-group hooks) are declared here and filled by
     # offload/ through the engine, so zero/ does not know which offload kinds exist.
     "zero": ("compat", "debug_checks", "precision", "runtime"),
