@@ -19,7 +19,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_tiny import CausalLMRows, build_model, token_rows  # noqa: E402
@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every this many steps (0: never)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--model-path", help="start from these weights (from_pretrained) instead of a fresh tiny Llama")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -56,9 +58,13 @@ def main() -> None:
         report_to=[],
         seed=0,
         disable_tqdm=True,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
+    # After TrainingArguments, as in transformers' examples: under ZeRO-3, from_pretrained then
+    # builds the model inside deepspeed.zero.Init.
+    model = AutoModelForCausalLM.from_pretrained(args.model_path) if args.model_path else build_model(seed=0)
     trainer = Trainer(
-        model=build_model(seed=0),
+        model=model,
         args=training_args,
         train_dataset=CausalLMRows(token_rows(args.rows, seed=0)),
         eval_dataset=CausalLMRows(token_rows(8, seed=1)),

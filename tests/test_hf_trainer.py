@@ -88,3 +88,49 @@ def test_trainer_resume_from_checkpoint_continues_exactly(runs):
     for key in ("loss", "grad_norm", "learning_rate"):
         assert _per_step(resumed, key) == _per_step(full, key), key  # bitwise: same ranks, same work
     assert resumed["eval"]["eval_loss"] == full["eval"]["eval_loss"]
+
+
+def test_trainer_from_pretrained_and_gradient_checkpointing_match_single_process(runs):
+    """The model comes from from_pretrained after TrainingArguments (transformers then builds it
+    inside deepspeed.zero.Init and loads rank 0's weights through zero.GatheredParameters), and
+    Trainer turns on gradient checkpointing; the run still matches the same script without
+    DeepSpeed in one process."""
+    base, pretrained = runs["base"], str(runs["ref_dir"] / "model")
+    extra = ["--model-path", pretrained, "--gradient-checkpointing"]
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), *extra,
+                                 *_common(base / "gc_ds.json", base / "gc_ds")], nproc=WORLD)
+    hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD), *extra,
+                           *_common(base / "gc_ref.json", base / "gc_ref")], env=hf_launch.launch_env())
+    ds, ref = hf_launch.read_json(base / "gc_ds.json"), hf_launch.read_json(base / "gc_ref.json")
+    assert _per_step(ds, "loss")[0] < _per_step(runs["ds"], "loss")[0] - 0.3  # started from the trained weights
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(_per_step(ds, key)), torch.tensor(_per_step(ref, key)), **TOL,
+                                   msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(ds["eval"]["eval_loss"], ref["eval"]["eval_loss"], **TOL)
+
+
+def test_trainer_config_with_optimizer_and_scheduler_sections(runs):
+    """transformers' documented ZeRO-3 config: "auto" optimizer (AdamW) and scheduler
+    (WarmupDecayLR) sections, fp16/bf16 "auto". deepcompile builds both from the sections Trainer
+    filled (lr, betas, eps, weight decay, warmup and total steps): the logged learning rates are
+    DeepSpeed's WarmupDecayLR (log warmup over warmup_steps=2, then linear to 0 at step 6), and
+    the first two steps (before the schedules differ) match the reference's losses."""
+    base = runs["base"]
+    config = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3_hf.json")
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", config, "--micro-batch", str(MICRO),
+                                 *_common(base / "sections.json", base / "sections")], nproc=WORLD)
+    got = hf_launch.read_json(base / "sections.json")
+    assert got["engine"] == "deepcompile.integrations.deepspeed_api.engine"
+    lr, warmup, total = 1e-2, 2, STEPS
+    import math
+
+    def warmup_decay(i):  # the LR after i scheduler steps, as DeepSpeed's WarmupDecayLR computes it
+        if i < warmup:
+            return lr * math.log(i + 1) / math.log(warmup)
+        return lr * max(0.0, (total - i) / (total - warmup))
+
+    torch.testing.assert_close(torch.tensor(_per_step(got, "learning_rate")),
+                               torch.tensor([warmup_decay(i) for i in range(STEPS)]), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(_per_step(got, "loss")[:2]),
+                               torch.tensor(_per_step(runs["ref"], "loss")[:2]), **TOL)
+    assert _per_step(got, "loss")[-1] < _per_step(got, "loss")[0] - 0.3
