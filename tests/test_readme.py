@@ -1,0 +1,195 @@
+"""The README tells the truth where code can check it.
+
+A front door that drifts from the code misleads exactly the reader who knows least. Checked here:
+the layout names every top-level folder and every subpackage (and nothing that is gone); the two
+commands at the top are the ones CI runs; the support matrix's stages, precisions, offload kinds
+and versions are what the config accepts and the packaging declares; and every
+``deepcompile.<name>`` and ``engine.<name>`` the README and the migration guide mention exists."""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from deepcompile import Config, Engine
+from deepcompile.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+GUIDE = ROOT / "docs" / "migrating-from-deepspeed.md"
+TOP_COMMANDS = ("bash scripts/setup.sh && torchrun --nproc-per-node 2 examples/train_llama.py",
+                "bash scripts/run_tests.sh")
+
+
+def section(markdown: str, title: str) -> str:
+    """The text under ``## title`` up to the next second-level heading."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    assert match, f"README has no section '## {title}'"
+    return match.group(1)
+
+
+def support_matrix() -> dict:
+    """First cell -> (supported, notes) of the table under "Is it for you?"."""
+    rows = {}
+    for line in section(README, "Is it for you?").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and cells[0] and not set(cells[0]) <= set("- "):
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def accepts(config: dict) -> bool:
+    try:
+        Config.from_any(config)
+    except ConfigError:
+        return False
+    return True
+
+
+def _ignored_names():
+    """Folder patterns .gitignore excludes (build outputs, caches): not part of the layout."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return [line.strip().strip("/") for line in lines if line.strip().endswith("/")]
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+
+def layout_entries():
+    """(top-level entries, entries indented two spaces under deepcompile/) of the layout's fenced
+    block; lines indented further continue a description."""
+    block = re.search(r"```\n(.*?)```", section(README, "Layout"), re.S).group(1)
+    top, nested = set(), set()
+    for line in block.splitlines():
+        if re.match(r"\S", line):
+            top.add(line.split()[0])
+        elif re.match(r"  \S", line):
+            nested.add(line.split()[0])
+    return top, nested
+
+
+def test_layout_names_every_top_level_folder_and_subpackage():
+    top, nested = layout_entries()
+    ignored = _ignored_names()
+    folders = {d.name for d in ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")
+               and not any(fnmatch.fnmatch(d.name, pattern) for pattern in ignored)}
+    subpackages = {d.name for d in (ROOT / "deepcompile").iterdir() if (d / "__init__.py").exists()}
+    assert {f"{name}/" for name in folders} <= top, f"top-level folders missing from the layout: {folders - {t.rstrip('/') for t in top}}"
+    assert {f"{name}/" for name in subpackages} <= nested, (
+        f"deepcompile/ subpackages missing from the layout: {subpackages - {n.rstrip('/') for n in nested}}")
+    # And nothing the layout names is gone.
+    gone = [t for t in top if not (ROOT / t).exists()] + [n for n in nested if not (ROOT / "deepcompile" / n).exists()]
+    assert not gone, f"the layout names what does not exist: {gone}"
+
+
+def test_layout_parsing_sees_both_levels():
+    top, nested = layout_entries()
+    assert "deepcompile/" in top and "zero/" in nested
+    assert "zero/" not in top and "build/" not in top  # build/ is ignored output
+
+
+# ---- the commands at the top -------------------------------------------------------------------
+
+
+def test_the_first_commands_are_the_ones_ci_runs():
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).splitlines()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in TOP_COMMANDS:
+        assert command in first_block, f"README's first block lost {command!r}"
+        assert command in ci, f".ci/run no longer runs {command!r}"
+
+
+# ---- the support matrix ------------------------------------------------------------------------
+
+
+def test_matrix_stages_are_the_stages_the_config_accepts():
+    listed = {int(s) for s in re.findall(r"\d", support_matrix()["ZeRO stages"][0])}
+    accepted = {s for s in range(0, 6) if accepts({"zero_optimization": {"stage": s}})}
+    assert listed == accepted
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_matrix_precisions_are_what_the_config_accepts(precision):
+    supported, notes = support_matrix()["precision"]
+    config = {"zero_optimization": {"stage": 3}, precision: {"enabled": True}}
+    assert accepts(config) == (precision in supported)
+    if precision not in supported:
+        assert f"{precision} is refused" in notes
+
+
+def test_matrix_offload_kinds_are_what_the_config_accepts():
+    supported, notes = support_matrix()["offload to host memory"]
+    cpu = {"device": "cpu"}
+
+    def zero(stage, **offload):
+        return {"zero_optimization": {"stage": stage, **offload}}
+
+    assert "optimizer states (every stage)" in supported
+    assert all(accepts(zero(s, offload_optimizer=cpu)) for s in (1, 2, 3))
+    assert "parameters (ZeRO-3)" in supported
+    assert accepts(zero(3, offload_param=cpu))
+    assert not accepts(zero(1, offload_param=cpu)) and not accepts(zero(2, offload_param=cpu))
+    assert "activations" in supported
+    assert accepts({**zero(3), "compile": {"offload_activation": True}})
+    assert "NVMe is refused" in notes
+    nvme = {"device": "nvme", "nvme_path": "/tmp"}
+    assert not accepts(zero(3, offload_optimizer=nvme)) and not accepts(zero(3, offload_param=nvme))
+
+
+def test_matrix_versions_are_the_packaging_ones():
+    matrix = support_matrix()
+    torch_min = re.fullmatch(r">= (\d+\.\d+)", matrix["torch"][0]).group(1)
+    python_min = re.fullmatch(r">= (\d+\.\d+)", matrix["Python"][0]).group(1)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"torch>={torch_min}"' in pyproject  # dependencies and build requirements
+    assert pyproject.count(f'"torch>={torch_min}"') == 2
+    assert f'requires-python = ">={python_min}"' in pyproject
+    major, minor = torch_min.split(".")
+    assert f">= ({major}, {minor})" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+# ---- the APIs the documents name ---------------------------------------------------------------
+
+
+def _resolves(dotted: str) -> bool:
+    """``deepcompile.a.b.C`` names an importable module or an attribute of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+ENGINE_SOURCE = Path(importlib.import_module("deepcompile.engine").__file__).read_text()
+
+
+def _engine_has(name: str) -> bool:
+    return hasattr(Engine, name) or re.search(rf"\bself\.{name}\b\s*(:[^=]*)?=", ENGINE_SOURCE) is not None
+
+
+@pytest.mark.parametrize("document", [ROOT / "README.md", GUIDE], ids=lambda p: p.name)
+def test_every_api_a_document_names_exists(document):
+    text = document.read_text()
+    modules = sorted(set(re.findall(r"\bdeepcompile\.([A-Za-z_][\w.]*[\w])", text)))
+    # engine.<attribute>, not the file engine.py
+    engine = sorted(set(re.findall(r"(?<![\w./])engine\.([A-Za-z_]\w*)", text)) - {"py"})
+    assert modules and engine
+    missing = [f"deepcompile.{m}" for m in modules if not _resolves(f"deepcompile.{m}")]
+    missing += [f"engine.{e}" for e in engine if not _engine_has(e)]
+    assert not missing, f"{document.name} names what does not exist: {missing}"
+
+
+def test_the_api_checker_sees_a_missing_name():
+    assert _resolves("deepcompile.checkpoint.agreement.CheckpointError")
+    assert not _resolves("deepcompile.no_such_function")
+    assert _engine_has("save_hf") and _engine_has("lr_scheduler") and not _engine_has("save_16bit_model")
