@@ -483,6 +483,8 @@ def test_runtime_config_mapping():
     rc = runtime.RuntimeConfig(**kwargs)
     assert rc.reduce_bucket_size == 500_000_000 and rc.free_activation_threshold == 1024
 
+    # exactly RuntimeConfig's fields (the config does not import the runtime to check it itself)
+    assert set(kwargs) == {f.name for f in dataclasses.fields(runtime.RuntimeConfig)}
     # defaults agree with RuntimeConfig's own defaults
     assert runtime.RuntimeConfig(**Config.from_any(Z3).runtime_config()) == runtime.RuntimeConfig()
 
