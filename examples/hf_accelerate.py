@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--state-dir", help="accelerator.save_state here after --state-step optimizer steps")
+    p.add_argument("--state-step", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="load_state from --state-dir and continue after it")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -49,7 +52,12 @@ def main() -> None:
 
     model.train()
     losses, lrs, window = [], [], []
-    for batch in loader:
+    batches, done = loader, 0
+    if args.resume:
+        accelerator.load_state(args.state_dir)  # engine (model, optimizer), scheduler, random states
+        done = args.state_step
+        batches = accelerator.skip_first_batches(loader, done * args.accumulation)
+    for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -61,11 +69,13 @@ def main() -> None:
             losses.append(sum(window) / len(window))
             lrs.append(scheduler.get_last_lr()[0])
             window = []
-            accelerator.print(f"step {len(losses)}: loss {losses[-1]:.4f}")
+            accelerator.print(f"step {done + len(losses)}: loss {losses[-1]:.4f}")
+            if args.state_dir and not args.resume and done + len(losses) == args.state_step:
+                accelerator.save_state(args.state_dir)
 
     if accelerator.is_main_process and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "lrs": lrs, "world_size": accelerator.num_processes,
+            json.dump({"first_step": done + 1, "losses": losses, "lrs": lrs, "world_size": accelerator.num_processes,
                        "engine": type(model).__module__}, f)
     accelerator.end_training()
 

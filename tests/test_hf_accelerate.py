@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from _harness import hf_launch
@@ -49,10 +50,29 @@ def _check(result):
     assert result["losses"][-1] < result["losses"][0] - 0.3  # it learned
 
 
-def test_accelerate_deepspeed_plugin_matches_single_process(tmp_path):
-    out = tmp_path / "run.json"
-    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, *_args(out)], nproc=WORLD)
-    _check(hf_launch.read_json(out))
+@pytest.fixture(scope="module")
+def plugin_run(tmp_path_factory):
+    """The loop with a DeepSpeedPlugin, saving its state (accelerator.save_state) after step 3."""
+    base = tmp_path_factory.mktemp("hf_accelerate")
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, "--state-dir", str(base / "state"), "--state-step", "3",
+                                 *_args(base / "run.json")], nproc=WORLD)
+    return base, hf_launch.read_json(base / "run.json")
+
+
+def test_accelerate_deepspeed_plugin_matches_single_process(plugin_run):
+    _check(plugin_run[1])
+
+
+def test_accelerate_load_state_continues_exactly(plugin_run):
+    """accelerator.load_state of the state saved after step 3, then skip_first_batches: steps
+    4..6 are those of the uninterrupted run, bitwise (same ranks, same work)."""
+    base, full = plugin_run
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, "--state-dir", str(base / "state"), "--state-step", "3",
+                                 "--resume", *_args(base / "resumed.json")], nproc=WORLD)
+    resumed = hf_launch.read_json(base / "resumed.json")
+    assert resumed["first_step"] == 4
+    assert resumed["losses"] == full["losses"][3:]
+    assert resumed["lrs"] == full["lrs"][3:]
 
 
 def test_accelerate_launch_config_file_matches_single_process(tmp_path):
