@@ -13,9 +13,9 @@ import sys
 
 
 def main() -> None:
-    import deepcompile
+    from deepcompile.integrations.serve import serve_as_deepspeed  # deepcompile.serve_as_deepspeed
 
-    deepcompile.serve_as_deepspeed()
+    serve_as_deepspeed()
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     args = launch_command_parser().parse_args(sys.argv[1:])

@@ -13,7 +13,7 @@ logger = logging.getLogger("deepcompile.deepspeed_api")
 def set_z3_leaf_modules(model: Any, leaf_module_classes: Sequence[Any]) -> List[Any]:
     """accelerate calls this for MoE blocks (``transformer_moe_cls_names``): the same meaning
     as :func:`deepcompile.set_leaf_modules` (a leaf's parameters are gathered together)."""
-    from deepcompile import set_leaf_modules
+    from deepcompile.zero.leaf_modules import set_leaf_modules  # what deepcompile.set_leaf_modules is
 
     return set_leaf_modules(model, list(leaf_module_classes))
 
