@@ -3,8 +3,9 @@
 * ``export``: checkpoints saved by real gloo runs at world sizes 2 and 3, ZeRO-1 and ZeRO-3 (a
   model with a tied parameter and a persistent buffer), are exported offline in a fresh process
   with no process group; every exported tensor equals ``engine.full_state_dict()`` of the engine
-  that saved it, and the names left out are exactly the tied aliases. A tiny transformers Llama's
-  export loads with ``from_pretrained`` and has the trained values;
+  that saved it, and the names left out are exactly the tied aliases. Exports of a tiny
+  transformers Llama and Qwen2-MoE (whose experts transformers stores per expert) load with
+  ``from_pretrained`` and have the trained values;
 * ``check``: a valid config prints its resolved batch sizes and "auto" values (naming those that
   need the model, resolving them with ``--model``); a bad one prints every problem, exit code 1;
 * ``env``: the report names torch, NCCL, whether deepcompile's NCCL path was compiled, and GPUs.
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from _harness.multiproc import run_distributed
-from _harness.parity_cases import GLOBAL_BATCH, batch, make_optimizer, tiny_llama
+from _harness.parity_cases import GLOBAL_BATCH, batch, make_optimizer, tiny_llama, tiny_qwen2_moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "ds_configs")
@@ -77,11 +78,11 @@ def _save_body(ctx, root, stages):
         engine.destroy()
 
 
-def _save_llama_body(ctx, root):
+def _save_hf_model_body(ctx, root, which):
     import deepcompile
 
     torch.manual_seed(3)
-    model = tiny_llama()
+    model = {"llama": tiny_llama, "qwen2_moe": tiny_qwen2_moe}[which]()
     engine = deepcompile.initialize(model, make_optimizer(model.parameters()), {"zero_optimization": {"stage": 3}})
     tokens, _ = batch("llama", 0)
     n = GLOBAL_BATCH // ctx.world_size
@@ -146,15 +147,22 @@ def test_export_dtype_and_refusals(checkpoints, tmp_path):
 
 
 @pytest.mark.world_size(2)
-def test_export_of_a_llama_loads_with_from_pretrained(tmp_path):
+@pytest.mark.parametrize("which", ["llama", "qwen2_moe"])
+def test_export_of_a_transformers_model_loads_with_from_pretrained(which, tmp_path):
+    """Qwen2-MoE: transformers computes with fused expert tensors but stores them per expert; the
+    export writes them as transformers stores them."""
     from transformers import AutoModelForCausalLM
 
     root = str(tmp_path / "ckpt")
-    run_distributed(_save_llama_body, 2, args=(root,), timeout=300)
+    run_distributed(_save_hf_model_body, 2, args=(root, which), timeout=300)
     assert os.path.isfile(os.path.join(root, "trained", "config.json")), "save_checkpoint wrote no config.json"
     out = str(tmp_path / "hf")
     result = _cli("export", root, out, "--tag", "trained")
     assert "config.json" in result.stdout
+    if which == "qwen2_moe":
+        names = set(_exported(out))
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in names, sorted(names)
+        assert not any("gate_up_proj" in n for n in names), sorted(names)
     model = AutoModelForCausalLM.from_pretrained(out)
     expected = torch.load(os.path.join(root, "expected.pt"))
     state = model.state_dict()

@@ -13,9 +13,10 @@ buffers keep their dtype. The checkpoint is read a batch of parameters at a time
 (checkpoint/offline.py): memory holds a batch and one output file, not the model.
 
 Tied parameters are stored once, under the name the checkpoint has (``from_pretrained`` ties
-them again from the config). Models whose transformers checkpoint format differs from the module
-(fused MoE experts, checkpoint/hf_layout.py) are written in the module's own names: use
-``engine.save_hf`` for those.
+them again from the config). With a ``config.json`` and transformers installed, the model is
+built on the meta device to learn how transformers stores it: parameters it keeps in another
+form in its files (Qwen2-MoE's fused experts, checkpoint/hf_layout.py) are written in that form,
+as ``save_pretrained`` and ``engine.save_hf`` write them; without one, in the module's names.
 """
 
 from __future__ import annotations
@@ -67,6 +68,37 @@ def _write_config(source: str, out: str, dtype) -> bool:
     return True
 
 
+def _conversions(config_file: str):
+    """transformers' weight conversions for the model ``config_file`` describes ([] without
+    transformers or a config). The model is built on the meta device: no memory, no weights."""
+    if not os.path.isfile(config_file):
+        return []
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return []
+    from deepcompile.checkpoint.hf_layout import transformers_conversions
+
+    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config_file)))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return transformers_conversions(model)
+
+
+def _stored_form(name: str, value, conversions):
+    """The tensors ``save_pretrained`` writes for parameter ``name``."""
+    from deepcompile.checkpoint.hf_layout import conversion_for
+
+    conversion = conversion_for(name, conversions)
+    if conversion is None:
+        return [(name, value)]
+    if conversion.unsupported:
+        raise SystemExit(f"deepcompile export: transformers stores {name} converted in a way this export cannot "
+                         f"write ({conversion.unsupported}); use engine.save_hf")
+    return list(conversion.split(name, value))
+
+
 def _prepare(out: str, overwrite: bool) -> None:
     from deepcompile.checkpoint.safetensors_files import is_weights_file
 
@@ -96,6 +128,8 @@ def run(args) -> int:
         return 1
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype != "auto" else ckpt.training_dtype()
     print(f"reading {ckpt.describe()}")
+    config_file = _config_source(ckpt.path, args.config)
+    conversions = _conversions(config_file)
     _prepare(args.out, args.overwrite)
     os.makedirs(args.out, exist_ok=True)
     # Written aside, then moved in: an export that fails leaves no half-written weights in OUT.
@@ -108,8 +142,10 @@ def run(args) -> int:
             for stored, value in ckpt.read():
                 if stored.is_parameter and dtype is not None and value.is_floating_point():
                     value = value.to(dtype)
-                writer.add(stored.name, value)
-                count += 1
+                for name, piece in (_stored_form(stored.name, value, conversions) if stored.is_parameter
+                                    else [(stored.name, value)]):
+                    writer.add(name, piece)
+                    count += 1
                 total += value.numel() if stored.is_parameter else 0
             shown["done"] = f"read {count} tensors of {ckpt.path}"
         files = writer.finish(total)
@@ -117,7 +153,7 @@ def run(args) -> int:
             os.replace(os.path.join(staging, name), os.path.join(args.out, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    wrote_config = _write_config(_config_source(ckpt.path, args.config), args.out, dtype)
+    wrote_config = _write_config(config_file, args.out, dtype)
     print(f"wrote {count} tensors ({total:,} parameters, {writer.total_bytes / 2**30:.2f} GiB"
           + (f", parameters in {str(dtype).replace('torch.', '')}" if dtype is not None else "")
           + f") to {args.out}: {', '.join(files)}" + (", config.json" if wrote_config else ""))
