@@ -114,6 +114,11 @@ INERT: Dict[str, str] = {
     "hybrid_engine.pin_parameters": _HYBRID_KEY,
     "hybrid_engine.tp_gather_partition_size": _HYBRID_KEY,
 }
+_NVME_KEY = "An NVMe offload setting (NVMe offload is refused); no effect with device \"cpu\""
+INERT.update({f"zero_optimization.offload_param.{name}": _NVME_KEY
+              for name in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")})
+INERT.update({f"zero_optimization.offload_optimizer.{name}": _NVME_KEY
+              for name in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")})
 FP16_SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                      "min_loss_scale")
 if not FP16_LOSS_SCALING:

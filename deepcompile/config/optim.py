@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from deepcompile.config import inert
@@ -41,7 +42,7 @@ class Param:
 
 def _fixed_param(dotted: str) -> Param:
     value, why = inert.FIXED_VALUE[dotted]
-    return Param(only(value, why), value, f"Only {value!r}: {why}.")
+    return Param(only(value, why), value, f"Only {json.dumps(value)}: {why}.")
 
 
 _ADAM_PARAMS = {

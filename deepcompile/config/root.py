@@ -17,7 +17,7 @@ from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, Optimizer
 from deepcompile.config.precision import Bf16Config, Fp16Config, communication_data_type
 from deepcompile.config.schema import Section, fixed_key, key, no_effect_key, section
 from deepcompile.config.validators import any_object, boolean, integer, number, optional
-from deepcompile.config.zero import ZeroConfig
+from deepcompile.config.zero import OFFLOAD_KEYS, ZeroConfig
 
 _UNTESTED = "torch.optim.Adam, AdamW and SGD"
 
@@ -152,9 +152,9 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": 
 
 
 def accepted_keys() -> List[str]:
-    """Every dotted key a config may hold (aliases aside): the sections' fields and the
-    ``params`` keys of every optimizer and scheduler type. The ``optimizer`` and ``scheduler``
-    sections are keys of their own; their ``params`` object is not."""
+    """Every dotted key a config may hold (aliases aside): the sections' fields, the keys of the
+    two offload objects and the ``params`` keys of every optimizer and scheduler type. The
+    ``optimizer`` and ``scheduler`` sections are keys of their own; their ``params`` object is not."""
     keys = {"optimizer", "scheduler"}
     for f in dataclasses.fields(Config):
         cls = _SECTIONS.get(f.name)
@@ -162,6 +162,8 @@ def accepted_keys() -> List[str]:
             keys.add(f.name)
             continue
         keys.update(f"{f.name}.{g.name}" for g in dataclasses.fields(cls) if g.name != "params")
+    for name, sub_keys in OFFLOAD_KEYS.items():
+        keys.update(f"zero_optimization.{name}.{k}" for k in sub_keys)
     for section, types in (("optimizer", OPTIMIZER_TYPES), ("scheduler", SCHEDULER_TYPES)):
         for spec in types.values():
             keys.update(f"{section}.params.{name}" for name in spec)

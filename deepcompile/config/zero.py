@@ -50,13 +50,14 @@ class OffloadOptimizer:
     ratio: float = 1.0
 
 
-# The keys only NVMe offload reads: validated, no effect with device "cpu".
+# The keys only NVMe offload reads: validated, no effect with device "cpu" (rows of inert.INERT).
 _PARAM_NVME_ONLY = {"nvme_path": optional(string), "buffer_count": integer(1), "buffer_size": integer(1),
                     "max_in_cpu": integer(0)}
 _OPTIMIZER_NVME_ONLY = {"nvme_path": optional(string), "buffer_count": integer(1), "pipeline_read": boolean,
                         "pipeline_write": boolean, "fast_init": boolean}
 _PARAM_KEYS = ("device", *_PARAM_NVME_ONLY, "pin_memory")
 _OPTIMIZER_KEYS = ("device", *_OPTIMIZER_NVME_ONLY, "pin_memory", "ratio")
+OFFLOAD_KEYS = {"offload_param": _PARAM_KEYS, "offload_optimizer": _OPTIMIZER_KEYS}
 
 
 def _offload_device(value: Any, dotted: str, keys, what: str) -> Optional[str]:
