@@ -332,7 +332,8 @@ class Engine:
         Collective: every rank must call it (checkpoint/hf_weights.py)."""
         from deepcompile.checkpoint.hf_weights import save_hf
 
-        save_hf(self.training_state(), directory, max_shard_size=max_shard_size)
+        with progress.long_operation(f"writing the model to {directory}", self.rank == 0):
+            save_hf(self.training_state(), directory, max_shard_size=max_shard_size)
 
     def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True) -> str:
