@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--model-path", help="start from these weights (from_pretrained) instead of a fresh tiny Llama")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -63,6 +64,11 @@ def main() -> None:
     # After TrainingArguments, as in transformers' examples: under ZeRO-3, from_pretrained then
     # builds the model inside deepspeed.zero.Init.
     model = AutoModelForCausalLM.from_pretrained(args.model_path) if args.model_path else build_model(seed=0)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0))
     trainer = Trainer(
         model=model,
         args=training_args,

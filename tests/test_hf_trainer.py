@@ -134,3 +134,35 @@ def test_trainer_config_with_optimizer_and_scheduler_sections(runs):
     torch.testing.assert_close(torch.tensor(_per_step(got, "loss")[:2]),
                                torch.tensor(_per_step(runs["ref"], "loss")[:2]), **TOL)
     assert _per_step(got, "loss")[-1] < _per_step(got, "loss")[0] - 0.3
+
+
+def test_trainer_peft_lora_matches_single_process_and_resumes(runs):
+    """PEFT LoRA adapters on the ZeRO-3 model (frozen base parameters): the logged loss and grad
+    norm match the run without DeepSpeed, save_model writes the same adapter weights, and a run
+    resumed from its save_steps checkpoint (Trainer saves PEFT checkpoints with
+    exclude_frozen_parameters) continues exactly."""
+    from safetensors.torch import load_file
+
+    base = runs["base"]
+    ds_args = ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--lora", "--save-steps", "3"]
+    hf_launch.torchrun(EXAMPLE, [*ds_args, *_common(base / "lora_ds.json", base / "lora_ds")], nproc=WORLD)
+    hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD), "--lora",
+                           *_common(base / "lora_ref.json", base / "lora_ref")], env=hf_launch.launch_env())
+    ds, ref = hf_launch.read_json(base / "lora_ds.json"), hf_launch.read_json(base / "lora_ref.json")
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(_per_step(ds, key)), torch.tensor(_per_step(ref, key)), **TOL,
+                                   msg=lambda m: f"{key}: {m}")
+    got = load_file(base / "lora_ds" / "model" / "adapter_model.safetensors")
+    want = load_file(base / "lora_ref" / "model" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and all("lora_" in k for k in got)  # only the adapters are saved
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+    resumed_dir = base / "lora_resumed"
+    os.makedirs(resumed_dir)
+    shutil.copytree(base / "lora_ds" / "checkpoint-3", resumed_dir / "checkpoint-3")
+    hf_launch.torchrun(EXAMPLE, [*ds_args, "--resume", *_common(base / "lora_resumed.json", resumed_dir)],
+                       nproc=WORLD)
+    resumed = hf_launch.read_json(base / "lora_resumed.json")
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert _per_step(resumed, key) == _per_step(ds, key), key

@@ -238,8 +238,9 @@ class DeepSpeedEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        if exclude_frozen_parameters and any(not p.requires_grad for p in self.module.parameters()):
-            raise missing("DeepSpeedEngine.save_checkpoint(exclude_frozen_parameters=True) with frozen parameters")
+        """deepcompile's checkpoint (every rank writes its shards). ``exclude_frozen_parameters``
+        (Trainer passes it for PEFT models) only makes DeepSpeed's files smaller; here frozen
+        parameters are saved too, and loading restores them to the values they already have."""
         self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
         return True
 
@@ -248,8 +249,8 @@ class DeepSpeedEngine(nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None):
         if custom_load_fn is not None:
             raise missing("DeepSpeedEngine.load_checkpoint(custom_load_fn=...)")
-        if not load_module_strict:
-            raise missing("DeepSpeedEngine.load_checkpoint(load_module_strict=False)")
+        # load_module_strict=False (Trainer, for PEFT models) tolerates a checkpoint without the
+        # frozen parameters; deepcompile's checkpoints hold every parameter, so strict or not, all load.
         self._advanced_in_backward = False
         return self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                            load_lr_scheduler_states=load_lr_scheduler_states,
