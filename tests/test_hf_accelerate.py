@@ -116,3 +116,24 @@ def test_serve_refuses_after_accelerate_decided_deepspeed_is_absent():
     proc = _python("import accelerate.accelerator\nimport deepcompile; deepcompile.serve_as_deepspeed()")
     assert proc.returncode != 0
     assert "must run before accelerate is imported" in proc.stderr
+
+
+def test_accelerate_optimizer_offload_config_matches_single_process(tmp_path):
+    """offload_optimizer {device: cpu}: accelerate swaps the torch AdamW for
+    deepspeed.ops.adam.DeepSpeedCPUAdam (served as torch's AdamW, deepcompile keeping its state on
+    the host as the config says); training is unchanged."""
+    out = tmp_path / "run.json"
+    config = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3_offload.json")
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", config, *_args(out)], nproc=WORLD)
+    _check(hf_launch.read_json(out))
+
+
+def test_served_cpu_adam_is_torch_adam_with_the_same_update():
+    proc = _python(
+        "import deepcompile; deepcompile.serve_as_deepspeed()\n"
+        "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam\n"
+        "p = [torch.nn.Parameter(torch.ones(2))]\n"
+        "print(type(DeepSpeedCPUAdam(p, lr=0.1, adamw_mode=True)).__name__, "
+        "type(DeepSpeedCPUAdam(p, lr=0.1, adamw_mode=False)).__name__)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["AdamW", "Adam"]

@@ -33,6 +33,9 @@ _MODULES: Dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters": _PACKAGE + ".runtime.zero.partition_parameters",
     "deepspeed.checkpoint": _PACKAGE + ".checkpoint",
     "deepspeed.checkpoint.utils": _PACKAGE + ".checkpoint.utils",
+    "deepspeed.ops": _PACKAGE + ".ops",
+    "deepspeed.ops.adam": _PACKAGE + ".ops.adam",
+    "deepspeed.ops.adagrad": _PACKAGE + ".ops.adagrad",
     "deepspeed.launcher": _PACKAGE + ".launcher",
     "deepspeed.launcher.runner": _PACKAGE + ".launcher.runner",
 }

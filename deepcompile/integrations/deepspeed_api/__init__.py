@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, runtime, utils, zero  # noqa: F401
+from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.comm import init_distributed
 from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSpeedEngine
