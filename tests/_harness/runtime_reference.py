@@ -308,9 +308,25 @@ def setup_z3(ctx, specs, config=CONFIG, graph_id=GRAPH, persistent=None):
 
 UNKNOWN_GRAPH = 424242
 UNKNOWN_ID = 9999
-RE_GRAPH = r"(?i)graph"
-RE_UNKNOWN_ID = r"(?i)(ds.?id|param|unknown|not registered|not found|9999)"
-RE_NOT_IN_GRAPH = r"(?i)(graph|not in|not part)"
-RE_STAGE = r"(?i)(stage|zero.?3|z3|executor)"
+# The patterns of errors about an id name that id and the reason, so that another error of the same
+# op (a wrong shape, a wrong dtype, a different id) cannot pass for the one expected.
+
+
+def re_unknown_graph(graph_id: int) -> str:
+    return rf"graph id {graph_id} is not registered"
+
+
+def re_unknown_id(ds_id: int) -> str:
+    return rf"unknown ds id {ds_id}: no parameter with this id is registered"
+
+
+def re_not_in_graph(ds_id: int, graph_id: int) -> str:
+    return rf"ds id {ds_id} is not a parameter of graph {graph_id}"
+
+
+def re_wrong_stage(graph_id: int, stage: int) -> str:
+    return rf"needs a ZeRO-3 executor, but graph id {graph_id} was registered for ZeRO-{stage}"
+
+
 RE_NOT_INIT = r"(?i)(initiali[sz]|not init)"
 RE_USERS = r"(?i)(n_users|users|inconsistent|count)"

@@ -14,7 +14,7 @@ from deepcompile import runtime
 from _harness.multiproc import run_distributed
 from _harness.runtime_reference import (
     GRAPH, GRAPH2, CONFIG, FP32_SPECS, ppr_of, full_param, z3_shard, z12_layout, ErrorChecks, gather,
-    UNKNOWN_GRAPH, UNKNOWN_ID, RE_GRAPH, RE_UNKNOWN_ID, RE_NOT_IN_GRAPH, RE_STAGE,
+    UNKNOWN_GRAPH, UNKNOWN_ID, re_unknown_graph, re_unknown_id, re_not_in_graph, re_wrong_stage,
 )
 
 ops = torch.ops.dc
@@ -36,22 +36,25 @@ def _body_errors_unknown_ids(ctx):
     chk = ErrorChecks()
 
     gid = UNKNOWN_GRAPH
-    chk.expect("unknown graph: allgather_param", RE_GRAPH, ops.allgather_param, x, gid, A)
-    chk.expect("unknown graph: prefetch_params_fused", RE_GRAPH, ops.prefetch_params_fused, gid, [x], [A])
-    chk.expect("unknown graph: wait_allgather", RE_GRAPH, ops.wait_allgather, x, gid, A)
-    chk.expect("unknown graph: release_param", RE_GRAPH, ops.release_param, x, gid, A, 1)
-    chk.expect("unknown graph: reduce_grad", RE_GRAPH, ops.reduce_grad, g, gid, A)
-    chk.expect("unknown graph: end_backward", RE_GRAPH, ops.end_backward, [g], gid, False)
+    unknown_graph = re_unknown_graph(gid)
+    chk.expect("unknown graph: allgather_param", unknown_graph, ops.allgather_param, x, gid, A)
+    chk.expect("unknown graph: prefetch_params_fused", unknown_graph, ops.prefetch_params_fused, gid, [x], [A])
+    chk.expect("unknown graph: wait_allgather", unknown_graph, ops.wait_allgather, x, gid, A)
+    chk.expect("unknown graph: release_param", unknown_graph, ops.release_param, x, gid, A, 1)
+    chk.expect("unknown graph: reduce_grad", unknown_graph, ops.reduce_grad, g, gid, A)
+    chk.expect("unknown graph: end_backward", unknown_graph, ops.end_backward, [g], gid, False)
 
-    for ds_id, pattern, label in ((UNKNOWN_ID, RE_UNKNOWN_ID, "unknown ds id"), (B, RE_NOT_IN_GRAPH, "id not in graph")):
+    # An op checks the id against its graph first: an id nobody registered is not in the graph either.
+    for ds_id, pattern, label in ((UNKNOWN_ID, re_not_in_graph(UNKNOWN_ID, GRAPH), "unknown ds id"),
+                                  (B, re_not_in_graph(B, GRAPH), "id not in graph")):
         chk.expect(f"{label}: allgather_param", pattern, ops.allgather_param, x, GRAPH, ds_id)
         chk.expect(f"{label}: prefetch_params_fused", pattern, ops.prefetch_params_fused, GRAPH, [x], [ds_id])
         chk.expect(f"{label}: wait_allgather", pattern, ops.wait_allgather, x, GRAPH, ds_id)
         chk.expect(f"{label}: release_param", pattern, ops.release_param, x, GRAPH, ds_id, 1)
         chk.expect(f"{label}: reduce_grad", pattern, ops.reduce_grad, g, GRAPH, ds_id)
 
-    chk.expect("unknown ds id: bind_grad_target", RE_UNKNOWN_ID, runtime.bind_grad_target, UNKNOWN_ID, torch.zeros(3, device=ctx.device))
-    chk.expect("unknown ds id: set_persistent", RE_UNKNOWN_ID, runtime.set_persistent, UNKNOWN_ID)
+    chk.expect("unknown ds id: bind_grad_target", re_unknown_id(UNKNOWN_ID), runtime.bind_grad_target, UNKNOWN_ID, torch.zeros(3, device=ctx.device))
+    chk.expect("unknown ds id: set_persistent", re_unknown_id(UNKNOWN_ID), runtime.set_persistent, UNKNOWN_ID)
     chk.assert_none()
 
     # Still usable: nothing half-done was left behind by the rejected calls.
@@ -112,10 +115,11 @@ def _body_error_wrong_stage(ctx):
     x = torch.zeros(shape, device=ctx.device)
     chk = ErrorChecks()
     for gid, stage in ((GRAPH, 1), (GRAPH2, 2)):
-        chk.expect(f"stage {stage}: allgather_param", RE_STAGE, ops.allgather_param, x, gid, P)
-        chk.expect(f"stage {stage}: prefetch_params_fused", RE_STAGE, ops.prefetch_params_fused, gid, [x], [P])
-        chk.expect(f"stage {stage}: wait_allgather", RE_STAGE, ops.wait_allgather, x, gid, P)
-        chk.expect(f"stage {stage}: release_param", RE_STAGE, ops.release_param, x, gid, P, 1)
+        wrong_stage = re_wrong_stage(gid, stage)
+        chk.expect(f"stage {stage}: allgather_param", wrong_stage, ops.allgather_param, x, gid, P)
+        chk.expect(f"stage {stage}: prefetch_params_fused", wrong_stage, ops.prefetch_params_fused, gid, [x], [P])
+        chk.expect(f"stage {stage}: wait_allgather", wrong_stage, ops.wait_allgather, x, gid, P)
+        chk.expect(f"stage {stage}: release_param", wrong_stage, ops.release_param, x, gid, P, 1)
     chk.assert_none()
 
 
