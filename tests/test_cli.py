@@ -202,6 +202,13 @@ def test_check_reports_every_problem(tmp_path):
                                  "zero_optimization": {"stage": 1}}))
     result = _cli("check", str(sizes), "--world-size", "2", check=False)
     assert result.returncode == 1 and "train_batch_size (6) must be divisible" in result.stdout, result.stdout
+    # Refused for fp32 models only: not a problem of the config alone, so listed without failing.
+    some = tmp_path / "some.json"
+    some.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": "auto"},
+                                "communication_data_type": "bf16", "zero_optimization": {"stage": 2}}))
+    out = _cli("check", str(some), "--world-size", "2").stdout
+    assert '"auto" values (for a bf16 model' in out, out
+    assert "refused for some models" in out and "communication_data_type" in out, out
 
 
 def test_env_report():

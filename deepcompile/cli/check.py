@@ -118,6 +118,9 @@ def run(args) -> int:
         return 2
 
     autos = _auto_keys(raw)
+    model_decides: List[str] = []  # "auto" keys whose value the model decides
+    with_some_models: List[Tuple[str, str]] = []  # problems that depend on the model
+    values_for = ""  # set when only one stand-in model is accepted: the values are that model's
     if args.model:
         try:
             model = _model_from(args.model)
@@ -125,14 +128,22 @@ def run(args) -> int:
             print(f"cannot build the model of {args.model}: {type(e).__name__}: {e}")
             return 2
         resolved, problems = _resolve(config, args.world_size, model)
-        model_decides: List[str] = []
     else:
         resolved, problems = _resolve(config, args.world_size, _stand_in(torch.float32, 64))
-        other, _ = _resolve(config, args.world_size, _stand_in(torch.bfloat16, 128))
-        model_decides = []
+        other, other_problems = _resolve(config, args.world_size, _stand_in(torch.bfloat16, 128))
+        # A problem with one stand-in only comes from the model (its dtype, its size): not the
+        # config's alone. Those are listed, but do not fail the check.
+        keys, other_keys = {k for k, _ in problems}, {k for k, _ in other_problems}
+        with_some_models = [p for p in problems if p[0] not in other_keys] + \
+                           [p for p in other_problems if p[0] not in keys]
+        problems = [p for p in problems if p[0] in other_keys]
         if resolved is not None and other is not None:
             a, b = resolved.to_dict(), other.to_dict()
             model_decides = [k for k in autos if _lookup(a, k) != _lookup(b, k)]
+        elif resolved is None and other is not None:
+            resolved, values_for = other, "a bf16 model of hidden size 128"
+        elif resolved is not None and other is None:
+            values_for = "an fp32 model of hidden size 64"
     if problems:
         _print_problems(problems, f"{args.config}: {len(problems)} problem(s) at world size {args.world_size}")
         return 1
@@ -143,7 +154,8 @@ def run(args) -> int:
         print(f"  {key}: {d.get(key)}")
     print(f"  zero_optimization.stage: {resolved.zero_optimization.stage}")
     if autos:
-        print("\"auto\" values:")
+        print("\"auto\" values" + (f" (for {values_for}; other models are refused, see below)" if values_for else "")
+              + ":")
         for key in autos:
             if key in model_decides:
                 print(f"  {key}: depends on the model (pass --model path/to/config.json to resolve it)")
@@ -152,6 +164,8 @@ def run(args) -> int:
             print(f"  {key}: {json.dumps(value) if found else '(set under another name: see the resolved config)'}")
     else:
         print("no \"auto\" values")
+    if with_some_models:
+        _print_problems(with_some_models, "refused for some models (which, --model tells):")
     if args.show_config:
         if model_decides:
             print("resolved config (the values that depend on the model are a stand-in's: pass --model):")
