@@ -18,7 +18,7 @@
   averaging are identities, is visible as such. ``dist_world_size`` and parameters given
   ``ids=multiproc.ws_id`` put it there; a test at one fixed size says it with
   ``pytest.mark.world_size(n)`` (on the test, or ``pytestmark`` for a module), which adds
-  ``ws<n>`` to its id. A test whose bodies ran at a size its id does not show fails. At the end
+  ``ws<n>`` to its id unless the test's own parameters name its sizes. A test whose bodies ran at a size its id does not show fails. At the end
   the summary counts the tests that ran at world size 1 only (``world sizes: ...``).
 """
 
@@ -54,9 +54,22 @@ def pytest_configure(config):
     )
 
 
+def _names_world_sizes_itself(metafunc) -> bool:
+    """The test's own parameters name its world sizes: ``dist_world_size``, a ``world``
+    parameter, or parametrize ids that hold ``ws<n>`` (a module-wide mark must not add another)."""
+    if "dist_world_size" in metafunc.fixturenames or "world" in metafunc.fixturenames:
+        return True
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        ids = mark.kwargs.get("ids")
+        if ids is multiproc.ws_id or (isinstance(ids, (list, tuple)) and any(
+                isinstance(i, str) and re.search(r"(?:^|-)ws\d+(?=-|$)", i) for i in ids)):
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc):
     mark = metafunc.definition.get_closest_marker("world_size")
-    if mark is None or "dist_world_size" in metafunc.fixturenames:
+    if mark is None or _names_world_sizes_itself(metafunc):
         return
     sizes = mark.args  # a test may run bodies at several sizes (a checkpoint saved at 2, loaded at 3)
     metafunc.parametrize("world_size_id", [sizes[0] if len(sizes) == 1 else sizes],
