@@ -79,7 +79,8 @@ Columns (all per rank; time and memory are the maximum over ranks, the loss thei
   first step of the same run; ``--warm-start`` adds the same time for a restart on warm caches.
   ``--compile-cache cold`` gives every row an empty cache directory (a user's first start).
 * loss: the loss of the last measured step (a sanity check that every method trains the same
-  model; on random tokens it stays near ln(vocab)).
+  model; on random tokens it stays near ln(vocab)). The JSON rows also hold ``losses``: every
+  step's loss, warm-up included (mean over ranks).
 
 A method that does not fit prints "OOM" (out-of-memory is caught per method; it is expected to hit
 all ranks alike, since every rank runs the same shapes). Any other failure prints "error" with the
@@ -181,6 +182,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "as their gradients become final, freeing their gradient partitions (per-layer graphs: "
                         "regional compilation)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--same-batch", action="store_true",
+                   help="every step trains on the first step's tokens, so the loss must fall (smoke runs: a check "
+                        "that training makes progress, which random tokens cannot show)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", choices=COMPILE_CACHES, default="shared",
                    help="compile caches of each row: 'cold' (a fresh, empty Inductor/Triton cache directory and "
@@ -355,10 +359,11 @@ def make_optimizer(ctx: Context, params) -> torch.optim.Optimizer:
 
 
 def make_batches(args: argparse.Namespace, rank: int, device: torch.device) -> List[torch.Tensor]:
-    """Random token ids, different per rank and step, identical for every method."""
+    """Random token ids, different per rank and step (``--same-batch``: per rank only), identical for
+    every method."""
     out = []
     for step in range(args.warmup + args.steps):
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + (0 if args.same_batch else step) * 1009 + rank)
         out.append(torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device))
     return out
 
@@ -604,6 +609,7 @@ class Row:
     vs_fsdp2: Optional[float] = None  # scheduled_s / FSDP2 + compile's first step, same run
     warm_scheduled_s: Optional[float] = None  # --warm-start: the same, restarted on warm caches
     loss: Optional[float] = None
+    losses: Optional[List[float]] = None  # every step's loss, warm-up included (JSON only)
     # --trace: rank 0's step_trace.transfer_summary (per step: h2d_ms, h2d_hidden_ms, h2d_gb, the
     # same for d2h, transfer_ms, hidden_ms, step_ms)
     transfers: Optional[Dict[str, float]] = None
@@ -623,6 +629,7 @@ class RankMeasurement:
     warm_scheduled_s: Optional[float] = None
     peak_bytes: Optional[int] = None
     loss: float = math.nan
+    losses: List[float] = dataclasses.field(default_factory=list)  # every step, warm-up included
     transfers: Optional[Dict[str, float]] = None
 
 
@@ -705,6 +712,7 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
             loss = runner.step(tokens)
             sync(ctx)
             times.append(time.perf_counter() - start)
+            m.losses.append(loss.detach().float().item())  # outside the timed region
             scheduled.append(runner.scheduled())
             if i == 0 and ctx.rank == 0:
                 print(f"  first step (compile) {times[0]:.1f} s", flush=True)
@@ -779,6 +787,7 @@ def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Ro
     if all(m.peak_bytes is not None for m in per_rank):
         row.peak_gib = max(m.peak_bytes for m in per_rank) / GIB
     row.loss = sum(m.loss for m in per_rank) / len(per_rank)
+    row.losses = [sum(step) / len(step) for step in zip(*(m.losses for m in per_rank))]
     row.transfers = per_rank[0].transfers  # the trace is summarised on rank 0
     return row
 
