@@ -26,6 +26,8 @@ from typing import Dict, Iterable, List, Mapping, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from deepcompile import ops
+
 
 class DebugCheckError(RuntimeError):
     """An invariant checked by compile.debug_checks does not hold."""
@@ -76,8 +78,7 @@ _METADATA_TARGETS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset"
 def check_placeholders_only_gathered(gm: GraphModule, params: Mapping[Node, int], names: Mapping[int, str],
                                      phase: str) -> None:
     """Every reader of a partitioned-parameter input of ``gm`` must be a gather."""
-    dc = torch.ops.dc
-    gathers = (dc.allgather_param.default, dc.prefetch_params_fused.default)
+    gathers = (ops.ALLGATHER_PARAM, ops.PREFETCH_PARAMS_FUSED)
     bad: List[str] = []
     for node, ds_id in params.items():
         for user in node.users:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import compat, debug_checks, logging_setup, optim_builder, progress, runtime
+from deepcompile import compat, debug_checks, logging_setup, ops, optim_builder, progress, runtime
 from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
@@ -195,7 +195,7 @@ class Engine:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
-        torch.ops.dc.end_backward([], EAGER_GRAPH_ID, True)
+        ops.end_backward([], EAGER_GRAPH_ID, True)
         self.step_report.stop("backward")
         if self._ledger is not None:
             debug_checks.check_finite("the loss", {"loss": loss.detach()})

@@ -4,7 +4,7 @@ The runtime owns everything the graph ops need between calls: the communicator, 
 the parameter registry, the reduce buckets and one executor per compiled graph. This module is a
 thin layer over the pybind11 control API: it converts Python values (process groups, dtypes,
 configs) and documents the contract. Graph code never calls it at run time; it only emits
-``torch.ops.dc.*`` nodes, which reach the same runtime object.
+the runtime's ops (``deepcompile/ops.py``), which reach the same runtime object.
 
 Parameter layouts the runtime understands:
 
@@ -64,7 +64,6 @@ __all__ = [
     "reduce_count",
     "world_size",
     "rank",
-    "side_effectful_ops",
 ]
 
 STAGES = (1, 2, 3)
@@ -295,16 +294,6 @@ def lane_stream(lane: str):
     from deepcompile import compat
 
     return compat.stream_from_ids(*_C.lane_stream(str(lane)))
-
-
-def side_effectful_ops() -> List:
-    """The ``torch.ops.dc`` overloads that graphs call for their effect alone (their results, if
-    any, are unused): what dead-code removal must keep (``compat.mark_ops_side_effectful``)."""
-    dc = torch.ops.dc
-    ops = [dc.free_tensors.default]
-    for packet in (dc.end_backward, dc.reduce_grad, dc.release_param, dc.prefetch_params_fused, dc.wait_allgather):
-        ops += [packet.default, packet.slot]  # slot: ids as data (passes/slot_ops.py)
-    return ops
 
 
 def start_backward(update: bool) -> None:

@@ -32,6 +32,7 @@ from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import MODELS, assert_parity, train_engine, train_reference
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
+from deepcompile import ops
 from deepcompile.offload import activation_ops
 from deepcompile.offload.activation_ops import ActivationOffloader
 
@@ -53,14 +54,14 @@ def offloader():
 
 
 def _roundtrip(x: torch.Tensor, key: int) -> torch.Tensor:
-    activation_ops.RELOAD(x, key)
-    return activation_ops.WAIT(x, key)
+    ops.RELOAD_ACTIVATION(x, key)
+    return ops.WAIT_RELOAD(x, key)
 
 
 def test_offload_frees_the_storage_and_reload_restores_it_bitwise(offloader):
     x = torch.randn(64, 33)
     expected = x.clone()
-    activation_ops.OFFLOAD(x, [], 7)
+    ops.OFFLOAD_ACTIVATION(x, [], 7)
     assert x.untyped_storage().nbytes() == 0 and offloader.pending() == 1
     y = _roundtrip(x, 7)
     assert torch.equal(y, expected) and torch.equal(x, expected)
@@ -71,7 +72,7 @@ def test_offload_frees_the_storage_and_reload_restores_it_bitwise(offloader):
 def test_a_transposed_activation_round_trips(offloader):
     x = torch.randn(5, 9).t()  # what Inductor may hand over: a dense, non-contiguous layout
     expected = x.clone()
-    activation_ops.OFFLOAD(x, [], 8)
+    ops.OFFLOAD_ACTIVATION(x, [], 8)
     assert x.untyped_storage().nbytes() == 0
     y = _roundtrip(x, 8)
     assert torch.equal(y, expected) and y.stride() == (1, 9)
@@ -81,8 +82,8 @@ def test_one_key_two_shapes_gap13(offloader):
     """DeepSpeed allocates one host buffer per key, once, and never re-checks its shape."""
     a, b = torch.randn(4, 5), torch.randn(9, 2, 3)
     ea, eb = a.clone(), b.clone()
-    activation_ops.OFFLOAD(a, [], 3)
-    activation_ops.OFFLOAD(b, [], 3)  # the same graph run again before its backward
+    ops.OFFLOAD_ACTIVATION(a, [], 3)
+    ops.OFFLOAD_ACTIVATION(b, [], 3)  # the same graph run again before its backward
     assert torch.equal(_roundtrip(b, 3), eb) and torch.equal(_roundtrip(a, 3), ea)
 
 
@@ -91,18 +92,18 @@ def test_fake_kernels_claim_no_device_gap14(offloader):
     offload returns nothing, and wait_reload's fake and real results are both on x's device."""
     with FakeTensorMode():
         x = torch.empty(4, 4)
-        assert activation_ops.OFFLOAD(x, [], 1) is None and activation_ops.RELOAD(x, 1) is None
-        fake = activation_ops.WAIT(x, 1)
+        assert ops.OFFLOAD_ACTIVATION(x, [], 1) is None and ops.RELOAD_ACTIVATION(x, 1) is None
+        fake = ops.WAIT_RELOAD(x, 1)
         assert fake.device == x.device and fake.shape == x.shape
     assert offloader.pending() == 0  # tracing moved nothing
     real = torch.randn(4, 4)
-    assert activation_ops.WAIT(real, 1).device == real.device
+    assert ops.WAIT_RELOAD(real, 1).device == real.device
 
 
 def test_a_tensor_sharing_its_storage_is_kept(offloader):
     base = torch.randn(10, 4)
     part = base[2:5]  # what a compiler may lay out inside a larger buffer (cat's inputs)
-    activation_ops.OFFLOAD(part, [], 5)
+    ops.OFFLOAD_ACTIVATION(part, [], 5)
     assert base.untyped_storage().nbytes() == base.numel() * 4 and offloader.stats[5].kept == 1
     assert torch.equal(_roundtrip(part, 5), base[2:5])
 
@@ -111,7 +112,7 @@ def test_reload_of_a_freed_tensor_without_host_copy_is_an_error(offloader):
     x = torch.randn(3, 3)
     x.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError, match="no host copy is filed under it"):
-        activation_ops.RELOAD(x, 9)
+        ops.RELOAD_ACTIVATION(x, 9)
 
 
 def test_plan_keeps_what_the_budget_allows_largest_offloaded_first(offloader):
@@ -253,7 +254,7 @@ def test_all_three_together_with_optimizer_offload():
 
 
 def _reload_placement_body(ctx):
-    from deepcompile.offload.activation_ops import RELOAD, WAIT
+    RELOAD, WAIT = ops.RELOAD_ACTIVATION, ops.WAIT_RELOAD
 
     # Profiled in step 0, re-planned after it (prefetch and selective gather on), freeing as well.
     cfg = _config(3, free=True, offload=True, warmup_steps=1)
@@ -293,8 +294,8 @@ def test_place_reloads_covers_the_copy_time():
     saved = next(n for n in gm.graph.nodes if n.name == "saved")
     use = next(n for n in gm.graph.nodes if n.name == "mul")
     with gm.graph.inserting_before(use):
-        reload = gm.graph.call_function(activation_ops.RELOAD, (saved, 1))
-        gm.graph.call_function(activation_ops.WAIT, (saved, 1))
+        reload = gm.graph.call_function(ops.RELOAD_ACTIVATION, (saved, 1))
+        gm.graph.call_function(ops.WAIT_RELOAD, (saved, 1))
     reload.meta["offload_bytes"] = 2_000_000  # 2 ms at 1 GB/s
     assert place_reloads(gm, {"exp": 1.5, "cos": 1.0, "sin": 1.0}, 1e9) == 1
     assert reload.next.name == "cos"  # exp + cos = 2.5 ms >= 2 ms; sin is not needed
@@ -546,7 +547,7 @@ def test_gpu_freed_block_is_not_reused_while_the_copy_reads_it_gap16():
         expected = x.clone()
         old = x.data_ptr()
         torch.cuda._sleep(1 << 30)  # the compute stream is busy: the offload copy waits behind it
-        activation_ops.OFFLOAD(x, [], 1)
+        ops.OFFLOAD_ACTIVATION(x, [], 1)
         y = torch.empty_like(expected).fill_(7.0)  # same size, on the compute stream
         assert y.data_ptr() != old, "the freed block was reused while the offload copy could still read it"
         assert torch.equal(_roundtrip(x, 1), expected)

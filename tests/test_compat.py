@@ -114,14 +114,13 @@ def test_every_export_has_a_check():
 
 
 def test_mark_ops_side_effectful_for_fx_and_inductor():
-    from deepcompile import runtime
-    from deepcompile.offload import activation_ops
+    from deepcompile import ops
 
-    compat.mark_ops_side_effectful([*runtime.side_effectful_ops(), *activation_ops.SIDE_EFFECTFUL_OPS])
+    compat.mark_ops_side_effectful(ops.SIDE_EFFECTFUL)
     from torch.fx.node import _side_effectful_functions
 
     for op in (torch.ops.dc.end_backward.default, torch.ops.dc.reduce_grad.default, torch.ops.dc.release_param.default,
-               torch.ops.dc.reduce_grad.slot, activation_ops.OFFLOAD, activation_ops.FREE_AFTER):
+               torch.ops.dc.reduce_grad.slot, ops.OFFLOAD_ACTIVATION, ops.FREE_AFTER):
         assert op in _side_effectful_functions
     g = torch.fx.Graph()
     node = g.call_function(torch.ops.dc.end_backward.default, ([], 1, False))
@@ -132,7 +131,9 @@ def test_mark_ops_side_effectful_for_fx_and_inductor():
 
 
 def test_protect_runtime_buffers_in_inductor_registers_lowerings():
-    compat.protect_runtime_buffers_in_inductor()
+    from deepcompile import ops
+
+    compat.protect_runtime_buffers_in_inductor(ops.INDUCTOR_PROTECTED_BUFFERS)
     from torch._inductor.graph import GraphLowering
     from torch._inductor.lowering import lowerings
 

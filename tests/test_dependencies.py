@@ -43,7 +43,6 @@ EXTENSION = "deepcompile._C"
 LAYERS: Dict[str, Tuple[str, ...]] = {
     # The ground floor: torch's private surface behind one door, and plain data or helpers.
     "compat": (),
-    "debug_checks": (),
     "logging_setup": (),
     "progress": (),
     "precision": (),
@@ -54,20 +53,25 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # The C++ runtime's Python face, and what builds on it without knowing the engine (reading
     # the config's cross-feature rules, config/rules.py, where it needs them).
     "runtime": ("_C", "compat"),
-    "profiling": ("compat", "runtime"),
-    "offload": ("_C", "compat", "config", "runtime"),
+    # Every custom op (deepcompile/ops.py): the extension's and the Python-defined ones; the
+    # debug checks read graphs for them.
+    "ops": ("_C",),
+    "debug_checks": ("ops",),
+    "profiling": ("compat", "ops", "runtime"),
+    "offload": ("_C", "compat", "config", "ops", "runtime"),
     # ZeRO stages: plug-in points (StateAccess, sub-group hooks) are declared here and filled by
     # offload/ through the engine, so zero/ does not know which offload kinds exist.
-    "zero": ("compat", "debug_checks", "precision", "runtime"),
+    "zero": ("compat", "debug_checks", "ops", "precision", "runtime"),
     # Graph passes insert runtime ops and the activation-offload ops, nothing of the planners.
-    "passes": ("compat", "runtime", "offload.activation_ops"),
+    "passes": ("compat", "ops", "runtime", "offload.activation_ops"),
     # The scheduler decides plans from profiles; the backend applies them (compiler/replan.py).
-    "scheduling": ("compat", "config", "runtime", "profiling"),
-    "compiler": ("compat", "debug_checks", "offload", "passes", "profiling", "runtime", "scheduling", "zero"),
+    "scheduling": ("compat", "config", "ops", "runtime", "profiling"),
+    "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
+                 "zero"),
     # Checkpoints read and restore a TrainingState value through zero's Sharding interface.
     "checkpoint": ("zero",),
     # The loop: composes everything above.
-    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "offload",
+    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "offload", "ops",
                "optim_builder", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
                "step_report", "zero"),
 }

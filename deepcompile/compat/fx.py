@@ -46,7 +46,7 @@ def mark_ops_side_effectful(ops: Iterable[Any]) -> None:
     Uses ``torch.fx.node.has_side_effect``, which FX's ``Node.is_impure`` and Inductor's
     ``FallbackKernel.has_side_effects`` (through ``torch._library.utils.is_impure``) consult.
     Unlike DeepSpeed we do not switch off Inductor's dead-node elimination globally. The caller
-    names the ops (``runtime.side_effectful_ops``, ``offload/activation_ops.py``): compat knows
+    names the ops (``deepcompile/ops.py``, ``SIDE_EFFECTFUL``): compat knows
     torch, not which ops the package defines.
     """
     from torch.fx.node import has_side_effect

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from torch.fx import GraphModule
@@ -76,14 +76,16 @@ def compiled_output_strides(compiled: Any) -> Any:
 _INDUCTOR_PROTECTED = False
 
 
-def protect_runtime_buffers_in_inductor() -> None:
+def protect_runtime_buffers_in_inductor(protected: Iterable[Tuple[Any, bool, bool]]) -> None:
     """Stop Inductor from recycling buffers the runtime manages behind its back.
 
     Inductor's wrapper reuses a dead buffer's storage for a later output of the same size. That is
     wrong for (a) gathered parameters, whose storage ``release_param`` frees (or, for persistent
     parameters, keeps for the next step), and (b) gradients handed to ``reduce_grad``, which the
     copy lane may still read after the op returned. Each op gets Inductor's standard fallback
-    lowering, plus the affected buffer names in ``V.graph.never_reuse_buffers``.
+    lowering, plus the affected buffer names in ``V.graph.never_reuse_buffers``. ``protected``:
+    (op overload, protect its inputs, protect its outputs), as ``deepcompile/ops.py`` lists them
+    (compat knows torch, not which ops the package defines). Registered once per process.
 
     Relies on ``torch._inductor.lowering.register_lowering`` / ``fallback_handler`` and
     ``GraphLowering.never_reuse_buffers``.
@@ -121,11 +123,8 @@ def protect_runtime_buffers_in_inductor() -> None:
 
         register_lowering(op, type_promotion_kind=None)(lowering)
 
-    dc = torch.ops.dc
-    for overload in ("default", "slot"):  # ids as constants, or as data (passes/slot_ops.py)
-        lower(getattr(dc.allgather_param, overload), protect_inputs=False, protect_outputs=True)
-        lower(getattr(dc.wait_allgather, overload), protect_inputs=True, protect_outputs=True)
-        lower(getattr(dc.reduce_grad, overload), protect_inputs=True, protect_outputs=True)
+    for op, protect_inputs, protect_outputs in protected:
+        lower(op, protect_inputs=protect_inputs, protect_outputs=protect_outputs)
     _INDUCTOR_PROTECTED = True
 
 

@@ -32,11 +32,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat, debug_checks, runtime
+from deepcompile import compat, debug_checks, ops, runtime
 from deepcompile.compiler import replan
 from deepcompile.compiler.graph_instances import GraphInstance, SharedGraph, Template, binding_of
 from deepcompile.compiler.partitioner import GRAPH_INPUT_NAME, make_partition_fn
-from deepcompile.offload import activation_ops
 from deepcompile.passes import offload_activation
 from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
 from deepcompile.passes.free_activation import insert_frees
@@ -93,7 +92,7 @@ class DeepCompileBackend:
         self.instances: Dict[int, GraphInstance] = {}  # graph id -> instance (compiler/graph_instances.py)
         # compile.free_activation / offload_activation (offload/activations.py), or None.
         self.activations = activations
-        compat.mark_ops_side_effectful([*runtime.side_effectful_ops(), *activation_ops.SIDE_EFFECTFUL_OPS])
+        compat.mark_ops_side_effectful(ops.SIDE_EFFECTFUL)
 
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         # Dynamo keeps using ``gm`` after this returns: the template compiles a copy (it gains an
@@ -138,7 +137,7 @@ class DeepCompileBackend:
                                       graph_input_index=record.graph_input_index)
         decompositions = None
         if self.inner == "inductor":
-            compat.protect_runtime_buffers_in_inductor()
+            compat.protect_runtime_buffers_in_inductor(ops.INDUCTOR_PROTECTED_BUFFERS)
             decompositions = compat.inductor_decompositions()
         backend = compat.aot_backend(
             fw_compiler=functools.partial(self._compile_forward, record),

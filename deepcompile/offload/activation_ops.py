@@ -1,6 +1,7 @@
 """Activation offload at run time: the ops the offload pass inserts, and what they keep.
 
-Three ops (namespace ``dcact``), all no-ops for a tensor the plan keeps on the device:
+Three ops (namespace ``dcact``, schemas and fake kernels in ``deepcompile/ops.py``; their
+kernels are here), all no-ops for a tensor the plan keeps on the device:
 
 * ``offload_activation(Tensor(a!) x, int key) -> ()``, in the forward after the last use of a
   saved activation ``x``: copies ``x`` into a host buffer on the offload lane, then frees ``x``'s
@@ -45,17 +46,10 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from deepcompile import compat
+from deepcompile import compat, ops
 from deepcompile.offload import device_memory
 from deepcompile.offload.lanes import CopyLanes
 
-NAMESPACE = "dcact"
-
-_LIB = torch.library.Library(NAMESPACE, "DEF")
-_LIB.define("offload_activation(Tensor(a!) x, Tensor[] after, int key) -> ()")
-_LIB.define("reload_activation(Tensor(a!) x, int key) -> ()")
-_LIB.define("wait_reload(Tensor(a) x, int key) -> Tensor(a)")
-_LIB.define("free_after(Tensor(a!)[] xs, Tensor[] after) -> ()")
 
 
 @dataclasses.dataclass
@@ -265,7 +259,7 @@ FREED = FreeCounts()
 
 def _free_after_kernel(xs: List[torch.Tensor], after: List[torch.Tensor]) -> None:
     held = [x.untyped_storage().nbytes() for x in xs]
-    torch.ops.dc.free_tensors(xs)
+    ops.free_tensors(xs)
     for x, before in zip(xs, held):
         if before and x.untyped_storage().nbytes() == 0:
             FREED.tensors += 1
@@ -283,29 +277,10 @@ def _wait_kernel(x: torch.Tensor, key: int) -> torch.Tensor:
     return x.view(x.shape)
 
 
-def _nothing(*args) -> None:
-    return None
-
-
-def _alias(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.view(x.shape)
-
-
-for _dispatch_key in ("CPU", "CUDA"):
-    _LIB.impl("offload_activation", _offload_kernel, _dispatch_key)
-    _LIB.impl("reload_activation", _reload_kernel, _dispatch_key)
-    _LIB.impl("wait_reload", _wait_kernel, _dispatch_key)
-    _LIB.impl("free_after", _free_after_kernel, _dispatch_key)
-# Fake/meta kernels: shapes only, no runtime state (a traced call must not move anything).
-_LIB.impl("offload_activation", _nothing, "Meta")
-_LIB.impl("reload_activation", _nothing, "Meta")
-_LIB.impl("wait_reload", _alias, "Meta")
-_LIB.impl("free_after", _nothing, "Meta")
-
-ops = getattr(torch.ops, NAMESPACE)
-OFFLOAD = ops.offload_activation.default
-RELOAD = ops.reload_activation.default
-WAIT = ops.wait_reload.default
-FREE_AFTER = ops.free_after.default
-# Called for their effect alone: dead-code removal must keep them (compat.mark_ops_side_effectful).
-SIDE_EFFECTFUL_OPS = (OFFLOAD, RELOAD, WAIT, FREE_AFTER)
+# The schemas and fake kernels are in deepcompile/ops.py; these kernels act on the state above.
+ops.register_activation_kernels({
+    "offload_activation": _offload_kernel,
+    "reload_activation": _reload_kernel,
+    "wait_reload": _wait_kernel,
+    "free_after": _free_after_kernel,
+})

@@ -34,13 +34,10 @@ from typing import Dict, List
 import torch
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat
-from deepcompile.offload import activation_ops
+from deepcompile import compat, ops
 from deepcompile.passes.graph_utils import alias_closure, last_user, reaches_output
 from deepcompile.passes.offload_activation import _latest, ordering_operands
 from deepcompile.passes.saved_values import SavedValue, saved_placeholders, storage_closure
-
-dc = torch.ops.dc
 
 
 def insert_frees(backward: GraphModule, saved: Dict[str, SavedValue], threshold_bytes: int) -> List[str]:
@@ -55,7 +52,7 @@ def insert_frees(backward: GraphModule, saved: Dict[str, SavedValue], threshold_
         if reaches_output(closure):
             continue
         readers = [u for v in closure for u in v.users if u not in closure]
-        if any(compat.operator_namespace(u.target) == "dc" for u in readers if u.op == "call_function"):
+        if any(compat.operator_namespace(u.target) == ops.RUNTIME_NAMESPACE for u in readers if u.op == "call_function"):
             continue
         anchor = last_user(graph, closure)
         if anchor is None or anchor.op == "placeholder":
@@ -70,7 +67,7 @@ def insert_frees(backward: GraphModule, saved: Dict[str, SavedValue], threshold_
     freed = []
     for anchor, (values, after) in by_anchor.items():
         with graph.inserting_after(anchor):
-            graph.call_function(activation_ops.FREE_AFTER, (values, list(after)))
+            graph.call_function(ops.FREE_AFTER, (values, list(after)))
         freed += [v.name for v in values]
     graph.lint()
     return freed

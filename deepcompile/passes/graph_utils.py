@@ -8,11 +8,7 @@ from typing import Iterable, Optional, Set
 import torch
 from torch.fx import Graph, Node
 
-from deepcompile import compat
-
-
-def _dc_alias_ops():
-    return (torch.ops.dc.wait_allgather.default, torch.ops.dc.release_param.default)
+from deepcompile import compat, ops
 
 
 def is_alias_op(node: Node) -> bool:
@@ -20,7 +16,7 @@ def is_alias_op(node: Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target in _dc_alias_ops():
+    if target in ops.ALIASING:
         return True
     return compat.is_op_overload(target) and compat.returns_view_of_input(target)
 

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from deepcompile import ops
 from deepcompile.offload import activation_ops
 from deepcompile.passes.graph_utils import alias_closure, first_user, gather_point, last_user, tensor_result
 from deepcompile.passes.saved_values import SavedValue, storage_closure
@@ -53,7 +54,7 @@ def ordering_operands(closure) -> Optional[List[Node]]:
     a pointwise reader lazily, possibly after a later node: only an operand forces it earlier
     (offload/activation_ops.py). None if a reader has no tensor result."""
     readers = dict.fromkeys(u for v in closure for u in v.users if u not in closure and u.op != "output"
-                            and u.target is not activation_ops.RELOAD)  # ordered before its wait
+                            and u.target is not ops.RELOAD_ACTIVATION)  # ordered before its wait
     out = []
     for reader in readers:
         result = tensor_result(reader)
@@ -83,7 +84,7 @@ def insert_offloads(forward: GraphModule, saved: Dict[str, SavedValue], device_t
             continue
         site = OffloadSite(next(_KEYS), name, saved[name].nbytes)
         with graph.inserting_after(_latest(graph, [anchor, *after])):
-            graph.call_function(activation_ops.OFFLOAD, (node, after, site.key))
+            graph.call_function(ops.OFFLOAD_ACTIVATION, (node, after, site.key))
         sites[name] = site
         offloader = activation_ops.active()
         if offloader is not None:
@@ -106,8 +107,8 @@ def insert_reloads(backward: GraphModule, sites: Dict[str, OffloadSite]) -> List
         # Before the pointwise region the use belongs to (after the library call before it), not
         # inside it: Inductor does not fuse across these calls (graph_utils.gather_point).
         with graph.inserting_before(gather_point(use)):
-            reload = graph.call_function(activation_ops.RELOAD, (placeholder, key))
-            wait = graph.call_function(activation_ops.WAIT, (placeholder, key))
+            reload = graph.call_function(ops.RELOAD_ACTIVATION, (placeholder, key))
+            wait = graph.call_function(ops.WAIT_RELOAD, (placeholder, key))
         wait.meta["val"] = placeholder.meta.get("val")
         for reader in readers:
             reader.replace_input_with(placeholder, wait)
@@ -122,7 +123,7 @@ def place_reloads(backward: GraphModule, node_time_ms: Dict[str, float], bytes_p
     covers its copy time (or it reaches the placeholders); returns how many moved."""
     graph = backward.graph
     moved = 0
-    for reload in [n for n in graph.nodes if n.op == "call_function" and n.target is activation_ops.RELOAD]:
+    for reload in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.RELOAD_ACTIVATION]:
         need_ms = 1e3 * reload.meta.get("offload_bytes", 0) / bytes_per_s
         covered, point = 0.0, reload
         while covered < need_ms and point.prev.op not in ("placeholder", "root"):

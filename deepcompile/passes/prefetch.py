@@ -14,7 +14,7 @@ from typing import Dict, Protocol, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-dc = torch.ops.dc
+from deepcompile import ops
 
 
 class PlannedGather(Protocol):
@@ -44,7 +44,7 @@ def apply_prefetch(gm: GraphModule, graph_id: int, plan: PrefetchPlanLike) -> No
         ctx = gm.graph.inserting_after(previous) if previous is not None else gm.graph.inserting_before(anchor)
         with ctx:
             node = gm.graph.call_function(
-                dc.prefetch_params_fused.default,
+                ops.PREFETCH_PARAMS_FUSED,
                 (graph_id, [g.node.args[0] for g in group.gathers], [g.ds_id for g in group.gathers]),
                 {"dtypes": [g.dtype for g in group.gathers]},
             )

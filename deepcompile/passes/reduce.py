@@ -15,7 +15,7 @@ from typing import Dict, List
 import torch
 from torch.fx import GraphModule, Node
 
-dc = torch.ops.dc
+from deepcompile import ops
 
 
 def _is_matrix_transpose(node: Node) -> bool:
@@ -77,13 +77,13 @@ def insert_reductions(gm: GraphModule, graph_id: int, grad_slots: Dict[int, int]
             replaced += [grad, grad.args[0]]
             grad = untransposed
         with graph.inserting_after(grad):
-            reduced = graph.call_function(dc.reduce_grad.default, (grad, graph_id, ds_id))
+            reduced = graph.call_function(ops.REDUCE_GRAD, (grad, graph_id, ds_id))
         reduced.meta["val"] = grad.meta["val"].new_empty((0,)) if "val" in grad.meta else None
         reductions.append(reduced)
         outputs[position] = None
     if reductions:
         with graph.inserting_before(output):
-            graph.call_function(dc.end_backward.default, (reductions, graph_id, False))
+            graph.call_function(ops.END_BACKWARD, (reductions, graph_id, False))
     output.args = (tuple(outputs),)
     for node in dict.fromkeys(replaced):  # a transpose before its product, which then has no user left
         if not node.users:

@@ -21,22 +21,21 @@ from typing import Any, Dict, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat
+from deepcompile import compat, ops
 
-dc = torch.ops.dc
 
 # Op -> (its slot overload, position of the graph id argument, position of the ds id argument or
 # of the ds id list, None for ops that name no parameter).
 _SLOT_FORMS = {
-    dc.allgather_param.default: (dc.allgather_param.slot, 1, 2),
-    dc.wait_allgather.default: (dc.wait_allgather.slot, 1, 2),
-    dc.release_param.default: (dc.release_param.slot, 1, 2),
-    dc.reduce_grad.default: (dc.reduce_grad.slot, 1, 2),
-    dc.end_backward.default: (dc.end_backward.slot, 1, None),
-    dc.prefetch_params_fused.default: (dc.prefetch_params_fused.slot, 0, 2),
+    ops.ALLGATHER_PARAM: (ops.ALLGATHER_PARAM_SLOT, 1, 2),
+    ops.WAIT_ALLGATHER: (ops.WAIT_ALLGATHER_SLOT, 1, 2),
+    ops.RELEASE_PARAM: (ops.RELEASE_PARAM_SLOT, 1, 2),
+    ops.REDUCE_GRAD: (ops.REDUCE_GRAD_SLOT, 1, 2),
+    ops.END_BACKWARD: (ops.END_BACKWARD_SLOT, 1, None),
+    ops.PREFETCH_PARAMS_FUSED: (ops.PREFETCH_PARAMS_FUSED_SLOT, 0, 2),
 }
 # The slot overload of prefetch_params_fused takes the parameters first (csrc/ops.cpp says why).
-_SWAP_FIRST_TWO = {dc.prefetch_params_fused.slot}
+_SWAP_FIRST_TWO = {ops.PREFETCH_PARAMS_FUSED_SLOT}
 
 
 def to_slot_ops(gm: GraphModule, graph_id: int, slot_ids: Sequence[int], graph_input: Node) -> int:

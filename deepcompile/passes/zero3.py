@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat
+from deepcompile import compat, ops
 from deepcompile.passes.graph_utils import (
     alias_closure,
     first_library_call_reading,
@@ -42,7 +42,6 @@ from deepcompile.passes.graph_utils import (
 )
 
 log = logging.getLogger(__name__)
-dc = torch.ops.dc
 
 
 def _fused_cast_dtype(param: Node) -> Optional[torch.dtype]:
@@ -141,8 +140,8 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
             # Always a named dtype (the parameter's own when no cast is fused): the op's fake kernel
             # then needs nothing from the live runtime.
             gather_dtype = dtype if dtype is not None else param.meta["val"].dtype
-            gathered = graph.call_function(dc.allgather_param.default, (param, graph_id, ds_id), {"dtype": gather_dtype})
-            full = graph.call_function(dc.wait_allgather.default, (gathered, graph_id, ds_id))
+            gathered = graph.call_function(ops.ALLGATHER_PARAM, (param, graph_id, ds_id), {"dtype": gather_dtype})
+            full = graph.call_function(ops.WAIT_ALLGATHER, (gathered, graph_id, ds_id))
         # What the gather returns: contiguous, unlike the stride-0 placeholder that was traced.
         traced = param.meta["val"]
         gathered.meta["val"] = traced.new_empty(traced.shape, dtype=dtype or traced.dtype)
@@ -164,7 +163,7 @@ def insert_gather_release(gm: GraphModule, graph_id: int, params: Dict[Node, int
         anchors = _release_anchors(graph, aliases, full)
         for anchor in anchors:
             with graph.inserting_after(anchor):
-                released = graph.call_function(dc.release_param.default, (anchor, graph_id, ds_id, len(anchors)))
+                released = graph.call_function(ops.RELEASE_PARAM, (anchor, graph_id, ds_id, len(anchors)))
             released.meta["val"] = anchor.meta.get("val")
             anchor.replace_all_uses_with(released, delete_user_cb=lambda u, r=released: u is not r)
     refresh_layouts(graph, gathered_values)

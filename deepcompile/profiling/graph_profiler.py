@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule, Interpreter, Node
 
-from deepcompile import compat
+from deepcompile import compat, ops
 
-dc = torch.ops.dc
 
 
 class ProfileAborted(RuntimeError):
@@ -82,10 +81,10 @@ class GraphProfile:
 
 def _collective_targets():
     return (
-        dc.allgather_param.default,
-        dc.prefetch_params_fused.default,
-        dc.reduce_grad.default,
-        dc.end_backward.default,
+        ops.ALLGATHER_PARAM,
+        ops.PREFETCH_PARAMS_FUSED,
+        ops.REDUCE_GRAD,
+        ops.END_BACKWARD,
     )
 
 
@@ -213,7 +212,7 @@ class GraphProfiler(Interpreter):
         except Exception as e:  # noqa: BLE001 -- any failure is voted on, then re-raised everywhere
             self._failed = e
             return None
-        if n.op == "call_function" and n.target is dc.reduce_grad.default:
+        if n.op == "call_function" and n.target is ops.REDUCE_GRAD:
             self._reduced = True
         record.out_bytes = _bytes(_tensors(result)) if n.op != "placeholder" else 0
         self.profile.nodes.append(record)

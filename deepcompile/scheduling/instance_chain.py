@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from deepcompile import ops
+
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward")
@@ -151,7 +153,7 @@ class InstanceChain:
 
 
 def _prefetch(graph_id: int, ds_ids: List[int], dtypes: List[torch.dtype]) -> None:
-    torch.ops.dc.prefetch_params_fused(graph_id, [], ds_ids, dtypes=dtypes)
+    ops.prefetch_params_fused(graph_id, [], ds_ids, dtypes)
 
 
 def _same_on_every_rank(links: Dict[Tuple[str, int], Any], group: Optional[dist.ProcessGroup],

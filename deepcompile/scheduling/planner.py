@@ -31,10 +31,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
+from deepcompile import ops
 from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile
 
-dc = torch.ops.dc
 
 # Fuse two gathers while the fused one costs less than this factor times the longer of the two.
 FUSE_SLACK = 1.2
@@ -55,7 +55,7 @@ class Gather:
 def graph_gathers(gm: GraphModule) -> List[Gather]:
     out = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is dc.allgather_param.default:
+        if node.op == "call_function" and node.target is ops.ALLGATHER_PARAM:
             val = node.args[0].meta.get("val")
             numel = int(val.numel()) if isinstance(val, torch.Tensor) else 0
             dtype = node.kwargs.get("dtype") or (val.dtype if isinstance(val, torch.Tensor) else torch.float32)

@@ -18,7 +18,7 @@ from typing import ContextManager, Dict, List, Set
 import torch
 import torch.nn as nn
 
-from deepcompile import compat, debug_checks
+from deepcompile import compat, debug_checks, ops
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.partition import ShardedParam
 
@@ -32,10 +32,10 @@ def gather_full_copy(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
     A copy, because the caller may keep it (autograd until backward, a state dict for good) long
     after the runtime's buffer is released, or re-filled for persistent parameters.
     """
-    gathered = torch.ops.dc.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
-    gathered = torch.ops.dc.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
+    gathered = ops.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
+    gathered = ops.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
     full = gathered.detach().clone()
-    torch.ops.dc.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
+    ops.release_param(gathered, EAGER_GRAPH_ID, ds_id, 1)
     return full
 
 
@@ -48,7 +48,7 @@ class _GatherForEager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         debug_checks.note_reductions((ctx.ds_id,))
-        torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ctx.ds_id)
+        ops.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ctx.ds_id)
         return None, None
 
 
@@ -66,7 +66,7 @@ class _GatherLeafForEager(torch.autograd.Function):
         for ds_id, trainable, grad in zip(ctx.ds_ids, ctx.trainable, grads):
             if trainable:
                 debug_checks.note_reductions((ds_id,))
-                torch.ops.dc.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ds_id)
+                ops.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ds_id)
         return (None, None) + (None,) * len(grads)
 
 

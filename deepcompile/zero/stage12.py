@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import debug_checks, runtime
+from deepcompile import debug_checks, ops, runtime
 from deepcompile.precision.loss_scaler import found_overflow
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
@@ -85,7 +85,7 @@ class Zero12Sharding(Sharding):
         if p.grad is None:  # compiled graphs reduce in-graph and hand autograd None
             return
         debug_checks.note_reductions((self.ds_id_of[id(p)],))
-        torch.ops.dc.reduce_grad(p.grad.contiguous(), EAGER_GRAPH_ID, self.ds_id_of[id(p)])
+        ops.reduce_grad(p.grad.contiguous(), EAGER_GRAPH_ID, self.ds_id_of[id(p)])
         p.grad = None
 
     # ---- the training loop ------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Every custom operator of the package: where its schema and fake kernel are, a typed wrapper
+for eager callers, and its overloads as named constants for graph passes.
+
+Two namespaces:
+
+* ``dc`` (C++, ``csrc/ops.cpp``): the runtime's gather, release, reduce and free ops. Schemas and
+  kernels (CPU, CUDA and Meta, the fake kernel) register when the extension loads, which this
+  module does. Each op but ``free_tensors`` has two overloads: ``default`` names the graph and the
+  parameter by constant ids, ``slot`` reads them from the graph instance input
+  (``passes/slot_ops.py``).
+* ``dcact`` (Python, defined here): activation offload. Schemas and fake kernels live here; the
+  CPU/CUDA kernels act on the run-time offload state and are handed in by
+  ``offload/activation_ops.py`` (:func:`register_activation_kernels`), which documents the ops.
+
+Eager code calls the wrappers; graph passes insert the constants as ``call_function`` targets and
+compare node targets against them. No other module reaches ``torch.ops.dc`` or
+``torch.ops.dcact`` (tests/test_ops_registry.py), so renaming or adding an op is one edit here
+plus its kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from deepcompile import _C  # noqa: F401  (loading the extension registers the dc namespace)
+
+RUNTIME_NAMESPACE = "dc"
+ACTIVATION_NAMESPACE = "dcact"
+NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE)
+
+_dc = getattr(torch.ops, RUNTIME_NAMESPACE)
+
+# ---- dc: the runtime's ops (csrc/ops.cpp) --------------------------------------------------------
+
+ALLGATHER_PARAM = _dc.allgather_param.default
+ALLGATHER_PARAM_SLOT = _dc.allgather_param.slot
+PREFETCH_PARAMS_FUSED = _dc.prefetch_params_fused.default
+PREFETCH_PARAMS_FUSED_SLOT = _dc.prefetch_params_fused.slot
+WAIT_ALLGATHER = _dc.wait_allgather.default
+WAIT_ALLGATHER_SLOT = _dc.wait_allgather.slot
+RELEASE_PARAM = _dc.release_param.default
+RELEASE_PARAM_SLOT = _dc.release_param.slot
+REDUCE_GRAD = _dc.reduce_grad.default
+REDUCE_GRAD_SLOT = _dc.reduce_grad.slot
+END_BACKWARD = _dc.end_backward.default
+END_BACKWARD_SLOT = _dc.end_backward.slot
+FREE_TENSORS = _dc.free_tensors.default
+
+
+def allgather_param(param: torch.Tensor, graph_id: int, ds_id: int,
+                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Start gathering ``ds_id`` for ``graph_id``'s executor (None: in its registered gather
+    dtype); the result is valid after :func:`wait_allgather`."""
+    return ALLGATHER_PARAM(param, graph_id, ds_id, dtype=dtype)
+
+
+def prefetch_params_fused(graph_id: int, params: Sequence[torch.Tensor], ds_ids: Sequence[int],
+                          dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+    """Gather ``ds_ids`` ahead of their use, as one group (``params`` may be empty: the runtime
+    finds parameters by id)."""
+    PREFETCH_PARAMS_FUSED(graph_id, list(params), list(ds_ids), dtypes=None if dtypes is None else list(dtypes))
+
+
+def wait_allgather(gathered: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
+    """The compute stream waits for ``ds_id``'s gather; returns the gathered parameter."""
+    return WAIT_ALLGATHER(gathered, graph_id, ds_id)
+
+
+def release_param(x: torch.Tensor, graph_id: int, ds_id: int, n_users: int) -> torch.Tensor:
+    """One of ``n_users`` is done with the gathered ``ds_id`` (the last frees it unless it is
+    persistent); returns ``x``, an alias that orders later readers after the release."""
+    return RELEASE_PARAM(x, graph_id, ds_id, n_users)
+
+
+def reduce_grad(grad: torch.Tensor, graph_id: int, ds_id: int) -> torch.Tensor:
+    """Queue ``grad`` for reduction into ``ds_id``'s gradient target."""
+    return REDUCE_GRAD(grad, graph_id, ds_id)
+
+
+def end_backward(deps: Sequence[torch.Tensor], graph_id: int, release_reduce_buckets: bool) -> None:
+    """Flush ``graph_id``'s queued reductions (after ``deps``); with ``release_reduce_buckets``,
+    wait for every reduction and free the buckets."""
+    END_BACKWARD(list(deps), graph_id, release_reduce_buckets)
+
+
+def free_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Free the storage of each tensor at least the runtime's free-activation threshold."""
+    FREE_TENSORS(list(tensors))
+
+
+# ---- dcact: activation offload (kernels: offload/activation_ops.py) ----------------------------
+
+_ACTIVATION_LIB = torch.library.Library(ACTIVATION_NAMESPACE, "DEF")
+_ACTIVATION_SCHEMAS = {
+    "offload_activation": "offload_activation(Tensor(a!) x, Tensor[] after, int key) -> ()",
+    "reload_activation": "reload_activation(Tensor(a!) x, int key) -> ()",
+    "wait_reload": "wait_reload(Tensor(a) x, int key) -> Tensor(a)",
+    "free_after": "free_after(Tensor(a!)[] xs, Tensor[] after) -> ()",
+}
+for _schema in _ACTIVATION_SCHEMAS.values():
+    _ACTIVATION_LIB.define(_schema)
+
+
+def _fake_nothing(*args: Any) -> None:
+    return None
+
+
+def _fake_alias(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.view(x.shape)
+
+
+# Fake (Meta) kernels: shapes only, no run-time state (a traced call must not move anything). The
+# first two return nothing, so no fake tensor claims a device the real result is not on.
+_ACTIVATION_FAKES: Dict[str, Callable] = {
+    "offload_activation": _fake_nothing,
+    "reload_activation": _fake_nothing,
+    "wait_reload": _fake_alias,
+    "free_after": _fake_nothing,
+}
+for _name, _fake in _ACTIVATION_FAKES.items():
+    _ACTIVATION_LIB.impl(_name, _fake, "Meta")
+
+_dcact = getattr(torch.ops, ACTIVATION_NAMESPACE)
+OFFLOAD_ACTIVATION = _dcact.offload_activation.default
+RELOAD_ACTIVATION = _dcact.reload_activation.default
+WAIT_RELOAD = _dcact.wait_reload.default
+FREE_AFTER = _dcact.free_after.default
+
+
+def register_activation_kernels(kernels: Dict[str, Callable]) -> None:
+    """The CPU and CUDA kernels of the ``dcact`` ops, by op name (every op, once): they read the
+    offload state, which lives in ``offload/activation_ops.py``."""
+    if set(kernels) != set(_ACTIVATION_SCHEMAS):
+        raise ValueError(f"kernels for {sorted(kernels)}, expected {sorted(_ACTIVATION_SCHEMAS)}")
+    for dispatch_key in ("CPU", "CUDA"):
+        for name, kernel in kernels.items():
+            _ACTIVATION_LIB.impl(name, kernel, dispatch_key)
+
+
+def offload_activation(x: torch.Tensor, after: Sequence[torch.Tensor], key: int) -> None:
+    OFFLOAD_ACTIVATION(x, list(after), key)
+
+
+def reload_activation(x: torch.Tensor, key: int) -> None:
+    RELOAD_ACTIVATION(x, key)
+
+
+def wait_reload(x: torch.Tensor, key: int) -> torch.Tensor:
+    return WAIT_RELOAD(x, key)
+
+
+def free_after(xs: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> None:
+    FREE_AFTER(list(xs), list(after))
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEntry:
+    """One operator: its qualified name (``dc::allgather_param``), the wrapper eager code calls,
+    its overloads by name, and where its fake kernel is."""
+
+    name: str
+    wrapper: Callable
+    overloads: Dict[str, Any]
+    fake: str
+
+    @property
+    def qualified_names(self) -> Tuple[str, ...]:
+        """As the dispatcher lists them: ``dc::allgather_param`` and ``dc::allgather_param.slot``."""
+        return tuple(self.name if o == "default" else f"{self.name}.{o}" for o in self.overloads)
+
+
+_CPP_FAKE = "csrc/ops.cpp, TORCH_LIBRARY_IMPL(dc, Meta)"
+
+
+def _dc_entry(wrapper: Callable, default: Any, slot: Any = None) -> OpEntry:
+    overloads = {"default": default, **({"slot": slot} if slot is not None else {})}
+    return OpEntry(f"{RUNTIME_NAMESPACE}::{wrapper.__name__}", wrapper, overloads, _CPP_FAKE)
+
+
+def _dcact_entry(wrapper: Callable, default: Any) -> OpEntry:
+    name = wrapper.__name__
+    return OpEntry(f"{ACTIVATION_NAMESPACE}::{name}", wrapper, {"default": default},
+                   f"deepcompile/ops.py, {_ACTIVATION_FAKES[name].__name__}")
+
+
+REGISTRY: Tuple[OpEntry, ...] = (
+    _dc_entry(allgather_param, ALLGATHER_PARAM, ALLGATHER_PARAM_SLOT),
+    _dc_entry(prefetch_params_fused, PREFETCH_PARAMS_FUSED, PREFETCH_PARAMS_FUSED_SLOT),
+    _dc_entry(wait_allgather, WAIT_ALLGATHER, WAIT_ALLGATHER_SLOT),
+    _dc_entry(release_param, RELEASE_PARAM, RELEASE_PARAM_SLOT),
+    _dc_entry(reduce_grad, REDUCE_GRAD, REDUCE_GRAD_SLOT),
+    _dc_entry(end_backward, END_BACKWARD, END_BACKWARD_SLOT),
+    _dc_entry(free_tensors, FREE_TENSORS),
+    _dcact_entry(offload_activation, OFFLOAD_ACTIVATION),
+    _dcact_entry(reload_activation, RELOAD_ACTIVATION),
+    _dcact_entry(wait_reload, WAIT_RELOAD),
+    _dcact_entry(free_after, FREE_AFTER),
+)
+
+# Graphs call these for their effect alone (their results, if any, unused): dead-code removal must
+# keep them (compat.mark_ops_side_effectful).
+SIDE_EFFECTFUL: Tuple[Any, ...] = (
+    FREE_TENSORS,
+    END_BACKWARD, END_BACKWARD_SLOT,
+    REDUCE_GRAD, REDUCE_GRAD_SLOT,
+    RELEASE_PARAM, RELEASE_PARAM_SLOT,
+    PREFETCH_PARAMS_FUSED, PREFETCH_PARAMS_FUSED_SLOT,
+    WAIT_ALLGATHER, WAIT_ALLGATHER_SLOT,
+    OFFLOAD_ACTIVATION, RELOAD_ACTIVATION, WAIT_RELOAD, FREE_AFTER,
+)
+
+# Ops whose buffers Inductor must not recycle (compat.protect_runtime_buffers_in_inductor says
+# why): (overload, protect its inputs, protect its outputs). Gathered parameters are freed by the
+# runtime; gradients handed to reduce_grad are read by the copy lane after the op returns.
+INDUCTOR_PROTECTED_BUFFERS: Tuple[Tuple[Any, bool, bool], ...] = tuple(
+    (op, inputs, outputs)
+    for pair, inputs, outputs in (((ALLGATHER_PARAM, ALLGATHER_PARAM_SLOT), False, True),
+                                  ((WAIT_ALLGATHER, WAIT_ALLGATHER_SLOT), True, True),
+                                  ((REDUCE_GRAD, REDUCE_GRAD_SLOT), True, True))
+    for op in pair)
+
+# Ops that return (an alias of) their tensor input: passes follow a value through them.
+ALIASING: Tuple[Any, ...] = (WAIT_ALLGATHER, RELEASE_PARAM)
+
+
+def registered_names() -> List[str]:
+    """Every qualified name the registry lists (``dc::allgather_param.slot`` included)."""
+    return [name for entry in REGISTRY for name in entry.qualified_names]
