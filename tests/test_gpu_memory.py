@@ -13,8 +13,11 @@ Three properties, each a test marked ``gpu`` (run by ``scripts/gpu_check.sh``):
 * no growth: ``memory_allocated()`` after optimizer step 50 equals the value after step 5
   exactly, for ZeRO-1, ZeRO-2 and ZeRO-3.
 
-Every test body also runs on CPU with gloo (the ``*_cpu_smoke`` tests: small sizes, allocator
-checks off), which exercises everything but the allocator readings here.
+Every test body also runs on CPU with gloo (the ``*_cpu_smoke`` tests: small sizes). They read no
+memory (the allocator readings are CUDA's), so they are named for what they do check: the
+runtime's own bookkeeping, i.e. no gathered buffer held where none may be
+(``runtime.gathered_buffer``), reduce buckets freed and no reduction pending at the end of every
+backward, and for ZeRO-1/2 no gradient target left bound between steps.
 
 How memory is read (``DeviceMemory``): after ``torch.cuda.synchronize()``, a ``gc.collect()`` and
 dropping cuBLAS's cached workspaces (which the allocator counts, and which appear lazily per
@@ -299,7 +302,10 @@ def test_zero3_gathered_memory_is_returned(backend, dtype_name):
 
 
 @cpu_only
-def test_zero3_gathered_memory_is_returned_cpu_smoke():
+def test_zero3_holds_no_gathered_buffer_or_reduce_bucket_after_each_phase_cpu_smoke():
+    """The body of test_zero3_gathered_memory_is_returned without allocator readings: after every
+    forward, backward and optimizer step of 3 steps (prefetch from step 1), no ds id has a gathered
+    buffer, and after every backward the reduce buckets are freed and nothing is pending."""
     run_distributed(_returned_body, WORLD, args=(CPU_SIZES, "eager", "float32", 3, False), timeout=300)
 
 
@@ -476,7 +482,9 @@ def test_zero3_step_peak_is_bounded():
 
 
 @cpu_only
-def test_zero3_step_peak_is_bounded_cpu_smoke():
+def test_zero3_prefetching_step_leaves_nothing_gathered_cpu_smoke():
+    """The body of test_zero3_step_peak_is_bounded without allocator readings (so no peak): after 3
+    warm-up steps, one step with prefetch leaves no gathered buffer and no reduce bucket."""
     run_distributed(_peak_body, WORLD, args=(CPU_SIZES, "eager", 3, False), timeout=300)
 
 
@@ -573,5 +581,8 @@ def test_memory_does_not_grow_over_steps(case_name):
 
 @cpu_only
 @pytest.mark.parametrize("case_name", list(NO_GROWTH_CASES))
-def test_memory_does_not_grow_over_steps_cpu_smoke(case_name):
+def test_steps_leave_no_bucket_gather_or_gradient_target_behind_cpu_smoke(case_name):
+    """The body of test_memory_does_not_grow_over_steps without allocator readings (so no growth
+    check): after optimizer steps 3 and 5, no reduce bucket or pending reduction, no gathered
+    non-persistent parameter (ZeRO-3) and no bound gradient target (ZeRO-1/2)."""
     run_distributed(_no_growth_body, WORLD, args=(CPU_SIZES, case_name, "eager", 3, 5, False), timeout=300)
