@@ -1,7 +1,7 @@
 """``steps_per_print`` and ``wall_clock_breakdown``: what rank 0 logs about the training loop.
 
 Every ``steps_per_print`` optimizer steps rank 0 logs one line to the ``deepcompile`` logger at
-INFO level (configure ``logging`` to see it)::
+INFO level (shown on stderr when the program configured no logging: logging_setup.py)::
 
     step 20: lr 0.001 | loss 2.3456 | grad norm 0.8123 | tokens/s 51234 | peak memory 12.34 GiB
 
