@@ -15,8 +15,22 @@ def tiny_llama_config() -> LlamaConfig:
                        use_cache=False, attn_implementation="sdpa")
 
 
-def build_model(seed: int = 0) -> LlamaForCausalLM:
+def tiny_qwen2_moe_config():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+                          tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+
+
+def build_model(seed: int = 0, arch: str = "llama") -> torch.nn.Module:
+    """A tiny Llama, or with ``arch="qwen2_moe"`` a tiny Qwen2-MoE (routed experts)."""
     torch.manual_seed(seed)
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeForCausalLM
+
+        return Qwen2MoeForCausalLM(tiny_qwen2_moe_config())
     return LlamaForCausalLM(tiny_llama_config())
 
 

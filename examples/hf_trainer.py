@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every this many steps (0: never)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2_moe"])
     p.add_argument("--model-path", help="start from these weights (from_pretrained) instead of a fresh tiny Llama")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
@@ -63,7 +64,7 @@ def main() -> None:
     )
     # After TrainingArguments, as in transformers' examples: under ZeRO-3, from_pretrained then
     # builds the model inside deepspeed.zero.Init.
-    model = AutoModelForCausalLM.from_pretrained(args.model_path) if args.model_path else build_model(seed=0)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path) if args.model_path else build_model(seed=0, arch=args.arch)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
