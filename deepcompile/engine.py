@@ -384,6 +384,7 @@ class Engine:
         if counters is not None:  # the step counters to continue from
             self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
             self.skipped_steps = counters.skipped_steps
+            self._report_overflow(False)  # the loaded loss scale, in DeepSpeed's optimizer attributes
         return path, client_state
 
     def destroy(self) -> None:

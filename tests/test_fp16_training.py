@@ -247,6 +247,7 @@ def _overflow_body(ctx, stage, hysteresis, poisoned, scales, checkpoint_dir):
     assert resumed.loss_scaler.loss_scale == 256.0
     resumed.load_checkpoint(checkpoint_dir)
     assert resumed.loss_scaler.state_dict() == saved and resumed.loss_scaler.loss_scale == scales[-1] < 256.0
+    assert resumed.optimizer.cur_scale == scales[-1] and resumed.optimizer.overflow is False
     assert resumed.skipped_steps == len(poisoned)
     resumed.destroy()
 
