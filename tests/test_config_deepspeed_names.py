@@ -114,3 +114,38 @@ def test_notices_name_settings_without_effect():
     assert Config.from_any(d).notices() == [
         "compile.schedule holds ZeRO-3 passes only; it has no effect with stage 2"]
     assert Config.from_any(zero()).notices() == []
+
+
+class _BigParam:
+    """A parameter as the config sees it (numel, dtype), without its memory."""
+
+    def __init__(self, numel):
+        import torch
+
+        self._numel, self.dtype, self.requires_grad = numel, torch.bfloat16, True
+
+    def numel(self):
+        return self._numel
+
+    def is_floating_point(self):
+        return True
+
+
+class _BigModel:
+    def __init__(self, n):
+        self._params = [_BigParam(n // 2), _BigParam(n - n // 2)]
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def test_limits_of_1e9_bind_beyond_a_billion_parameters():
+    # LLaMA-Factory's and ms-swift's ZeRO-3 configs set both limits to 1e9. Up to 1e9 parameters
+    # they cannot bind and are accepted; beyond, deepcompile (which plans what stays gathered by a
+    # memory budget, not a count) refuses them at initialize, naming both keys and the remedy.
+    d = zero(stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9)
+    Config.from_any(d).resolve(2, _BigModel(10**9))
+    e = refused(d, _BigModel(7 * 10**9))
+    assert sorted(e.keys) == ["zero_optimization.stage3_max_live_parameters",
+                              "zero_optimization.stage3_max_reuse_distance"]
+    assert "(7000000000 parameters)" in str(e) and "set a memory budget" in str(e)
