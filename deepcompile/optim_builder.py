@@ -37,7 +37,8 @@ TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def cast_floating_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """``bf16.enabled``: every floating-point parameter to ``dtype``, in place.
+    """``bf16.enabled`` / ``fp16.enabled``: every floating-point parameter to ``dtype`` (the
+    precision policy's ``param_dtype``), in place.
 
     The Parameter objects stay the same, so an optimizer already built over them stays valid.
     Buffers keep their dtype (as in DeepSpeed: e.g. rotary ``inv_freq`` would lose precision).
