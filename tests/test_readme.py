@@ -77,9 +77,10 @@ def test_layout_names_every_top_level_folder_and_subpackage():
     folders = {d.name for d in ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")
                and not any(fnmatch.fnmatch(d.name, pattern) for pattern in ignored)}
     subpackages = {d.name for d in (ROOT / "deepcompile").iterdir() if (d / "__init__.py").exists()}
-    assert {f"{name}/" for name in folders} <= top, f"top-level folders missing from the layout: {folders - {t.rstrip('/') for t in top}}"
-    assert {f"{name}/" for name in subpackages} <= nested, (
-        f"deepcompile/ subpackages missing from the layout: {subpackages - {n.rstrip('/') for n in nested}}")
+    missing_top = sorted(name for name in folders if f"{name}/" not in top)
+    missing_nested = sorted(name for name in subpackages if f"{name}/" not in nested)
+    assert not missing_top, f"top-level folders missing from the README's layout: {missing_top}"
+    assert not missing_nested, f"deepcompile/ subpackages missing from the README's layout: {missing_nested}"
     # And nothing the layout names is gone.
     gone = [t for t in top if not (ROOT / t).exists()] + [n for n in nested if not (ROOT / "deepcompile" / n).exists()]
     assert not gone, f"the layout names what does not exist: {gone}"
