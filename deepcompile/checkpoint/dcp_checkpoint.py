@@ -172,7 +172,7 @@ def _writer(path: str) -> "dcp.FileSystemWriter":
 
     One file per stored item, not one per rank: DCP's writer keeps the host copy of every tensor
     of a file until the file is closed, so one file per rank held a host copy of the rank's whole
-    shard during a save from the GPU (34 GiB of host memory for a 7B model, bench/RESULTS.md).
+    shard during a save from the GPU (34 GiB of host memory for a 7B model, bench/results/2026-11-24.md).
     Several writer threads, each copying and writing its own files, overlap device-to-host copies
     with disk writes; the ranks of one host share its cores."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

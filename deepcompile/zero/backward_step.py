@@ -3,7 +3,8 @@
 Without it a backward ends holding every gradient partition of the window, and the optimizer
 step consumes them afterwards. With activation checkpointing that is what sets the peak: the end
 of the backward holds all partitions plus one recomputed layer, while the plain run peaks at the
-backward's start, before any partition exists (NOTES.md, "Activation checkpointing"). Here a
+backward's start, before any partition exists (bench/results/2026-11-25.md, "With the sub-group
+step, and where the peaks are now"). Here a
 parameter steps as soon as its gradient for the window is final, and its partition is dropped
 right away, so a backward holds about one layer's partitions at a time.
 
