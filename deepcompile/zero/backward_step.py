@@ -4,9 +4,9 @@ Without it a backward ends holding every gradient partition of the window, and t
 step consumes them afterwards. With activation checkpointing that is what sets the peak: the end
 of the backward holds all partitions plus one recomputed layer, while the plain run peaks at the
 backward's start, before any partition exists (bench/results/2026-11-25.md, "With the sub-group
-step, and where the peaks are now"). Here a
-parameter steps as soon as its gradient for the window is final, and its partition is dropped
-right away, so a backward holds about one layer's partitions at a time.
+step, and where the peaks are now"). Here a parameter steps as soon as its gradient for the
+window is final, and its partition is dropped right away, so a backward holds about one layer's
+partitions at a time.
 
 When a gradient is final. The runtime counts the reductions of each parameter in the window
 (``runtime.reduce_counts``). A parameter reduced once per micro-step is final after its
