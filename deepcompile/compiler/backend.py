@@ -36,14 +36,9 @@ from deepcompile import compat, debug_checks, ops, runtime
 from deepcompile.compiler import replan
 from deepcompile.compiler.graph_instances import GraphInstance, SharedGraph, Template, binding_of
 from deepcompile.compiler.partitioner import GRAPH_INPUT_NAME, make_partition_fn
-from deepcompile.passes import offload_activation
+from deepcompile.compiler.pipeline import PIPELINE, HalfContext, Stage
 from deepcompile.passes.escaping_views import copy_param_views_in_outputs, custom_op_parameter_inputs
-from deepcompile.passes.free_activation import insert_frees
-from deepcompile.passes.prefetch import apply_prefetch
-from deepcompile.passes.reduce import insert_reductions
-from deepcompile.passes.saved_values import saved_values
-from deepcompile.passes.slot_ops import rebind, to_slot_ops
-from deepcompile.passes.zero3 import insert_gather_release
+from deepcompile.passes.slot_ops import rebind
 from deepcompile.scheduling import planner
 from deepcompile.zero.sharding import Sharding
 
@@ -201,57 +196,39 @@ class DeepCompileBackend:
     def _compile_forward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         placeholders = compat.forward_inputs(gm)
         _check_graph_input(placeholders, record.graph_input_index, record.graph_id)
-        params: Dict[Node, int] = {}
+        ctx = self._context(record, "forward", gm)
         for index, ds_id in record.param_slots.items():
             node = placeholders[index]
-            params[node] = ds_id
+            ctx.params[node] = ds_id
             record.fw_param_names[node.name] = ds_id
-        if self.stage == 3:
-            insert_gather_release(gm, record.graph_id, params)
-            _debug_check_placeholders(gm, params, "forward")
-        act = self.activations
-        if act is not None:
-            record.saved = saved_values(gm, record.num_fwd_outputs)
-            if act.offload:
-                record.offload_sites = offload_activation.insert_offloads(
-                    gm, record.saved, act.device.type, act.min_offload_bytes)
-        return self._finish(record, "forward", gm, inputs, record.graph_input_index)
+        PIPELINE.run(ctx, [Stage.STRUCTURE])
+        return self._finish(ctx, inputs, record.graph_input_index)
 
     def _compile_backward(self, record: GraphRecord, gm: GraphModule, inputs: List[Any]):
         record.needs_backward = True
-        # Reductions first: a release whose last use is pointwise can then be anchored on the
-        # reduction that consumes its result (passes/zero3.py) instead of splitting that region.
-        grad_slots = {compat.gradient_output_index(i): ds_id for i, ds_id in record.param_slots.items()}
-        reductions = insert_reductions(gm, record.graph_id, grad_slots)
-        record.reduced_ids = [node.args[2] for node in reductions]
-        if self.stage == 3:
-            params = compat.saved_forward_inputs(gm, record.fw_param_names)
-            insert_gather_release(gm, record.graph_id, params)
-            _debug_check_placeholders(gm, params, "backward")
-        act = self.activations
-        if act is not None:
-            if record.offload_sites:
-                offload_activation.insert_reloads(gm, record.offload_sites)
-            if act.free:
-                insert_frees(gm, record.saved, act.free_threshold)
+        ctx = PIPELINE.run(self._context(record, "backward", gm), [Stage.STRUCTURE])
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         graph_arg = next((i for i, n in enumerate(placeholders) if n.name == GRAPH_INPUT_NAME), None)
         if graph_arg is None:
             raise RuntimeError(f"deepcompile: the backward of graph {record.graph_id} did not receive its instance")
-        return self._finish(record, "backward", gm, inputs, graph_arg)
+        return self._finish(ctx, inputs, graph_arg)
 
-    def _finish(self, record: GraphRecord, phase: str, gm: GraphModule, inputs: List[Any], graph_arg: int):
-        """Schedule-driven passes, then the inner compiler, wrapped for profiling.
+    def _context(self, record: GraphRecord, phase: str, gm: GraphModule) -> HalfContext:
+        act = self.activations
+        return HalfContext(gm, phase, record, self.stage, driver=self.driver, activations=act,
+                           reload_bytes_per_s=act.bytes_per_s if act is not None else None)
+
+    def _finish(self, ctx: HalfContext, inputs: List[Any], graph_arg: int):
+        """The plan's passes (compiler/pipeline.py, the slice a re-plan re-runs), then the inner
+        compiler, wrapped for profiling.
 
         The graph's Python code is generated once, right before the inner compiler; the
         profiler interprets the graph (ids as constants) and needs none. ``graph_arg``: the
         input that is the graph instance."""
+        record, phase, gm = ctx.record, ctx.phase, ctx.gm
         signature = planner.graph_signature(phase, gm)
+        ctx.signature = signature
         is_backward = phase == "backward"
-        if is_backward and record.offload_sites:
-            times = offload_activation.profiled_times(self.driver.profiles.get(signature))
-            if times is not None:  # a profile of this backward exists: hide the reloads behind it
-                offload_activation.place_reloads(gm, times, self.activations.bytes_per_s())  # also replan.py
         half_plan = None
         if self.stage == 3:
             base = _copy_graph_module(gm)
@@ -259,12 +236,9 @@ class DeepCompileBackend:
             if not replan.has_symbolic_sizes(inputs):  # compiler/replan.py: why not otherwise
                 half_plan = replan.HalfPlan(base, record.graph_id, phase,
                                             self._compiler_for_later(record, inputs, is_backward, graph_arg))
-            plan = self.driver.prefetch_plan(gm, signature)
-            self.driver.chain.set_head(phase, record.graph_id, plan)
-            if plan is not None:
-                apply_prefetch(gm, record.graph_id, plan)
-            if half_plan is not None and not record.offload_sites:
-                half_plan.key = replan.plan_key(plan)  # the graph is base + this plan
+        PIPELINE.run(ctx, [Stage.PLAN])
+        if half_plan is not None and not record.offload_sites:
+            half_plan.key = replan.plan_key(ctx.prefetch_plan)  # the graph is base + this plan
         if half_plan is not None and self.inner == "inductor" and self.driver.wants_profile(signature):
             # Its first run is profiled, and a re-plan may replace it before it runs compiled.
             # Until it compiles, the profiler reads gm itself (interpreting never changes it).
@@ -273,7 +247,7 @@ class DeepCompileBackend:
             half_plan.defer(gm)
         else:
             profiled_gm = _copy_graph_module(gm)  # the inner compiler may rewrite gm in place
-            _lower_to_slots(record, gm, graph_arg)
+            _lower_to_slots(record, phase, self.stage, gm, graph_arg)
             compiled = self._inner_compile(gm, inputs, is_backward=is_backward)
             if half_plan is not None:
                 half_plan.compiled_now(compiled)
@@ -292,8 +266,10 @@ class DeepCompileBackend:
         else:
             inner = compat.inductor_compiler_for_later(inputs, is_backward=is_backward)
 
-        def compile_later(gm: GraphModule) -> Callable:
-            _lower_to_slots(record, gm, graph_arg)
+        phase, stage = ("backward" if is_backward else "forward"), self.stage
+
+        def compile_later(gm: GraphModule) -> Callable:  # no reference to the backend: it outlives it
+            _lower_to_slots(record, phase, stage, gm, graph_arg)
             return inner(gm)
 
         return compile_later
@@ -330,16 +306,10 @@ def _check_graph_input(placeholders: List[Node], index: Optional[int], graph_id:
                            f"{index} (aot_autograd changed the order of the graph's inputs)")
 
 
-def _lower_to_slots(record: GraphRecord, gm: GraphModule, graph_arg: int) -> None:
-    """Ids become data (passes/slot_ops.py); also generates the graph's code."""
+def _lower_to_slots(record: GraphRecord, phase: str, stage: int, gm: GraphModule, graph_arg: int) -> None:
+    """The pipeline's last stage: ids become data (passes/slot_ops.py); also generates the graph's code."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    to_slot_ops(gm, record.graph_id, record.slot_ids, placeholders[graph_arg])
-
-
-def _debug_check_placeholders(gm: GraphModule, params: Dict[Node, int], phase: str) -> None:
-    ledger = debug_checks.LEDGER
-    if ledger is not None:  # compile.debug_checks
-        debug_checks.check_placeholders_only_gathered(gm, params, ledger.names, phase)
+    PIPELINE.run(HalfContext(gm, phase, record, stage, graph_input=placeholders[graph_arg]), [Stage.LOWER])
 
 
 def _copy_graph_module(gm: GraphModule) -> GraphModule:

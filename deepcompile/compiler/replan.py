@@ -1,11 +1,12 @@
 """Re-planning compiled graph halves in place, and compiling a half only when it first runs compiled.
 
 When the pass schedule switches plans, the only graphs that change are those whose optional
-passes (today: the prefetch plan) changed them. Dynamo's captures, aot_autograd's joint graph
+passes (the ``PLAN`` stage of ``compiler/pipeline.py``: prefetch, activation reload placement)
+changed them. Dynamo's captures, aot_autograd's joint graph
 and partition, and the ZeRO pass are the same as before the switch. So each compiled half keeps
-its graph as it was after the ZeRO pass (``base``) and a compiler that can compile a graph for
+its graph as it was before the ``PLAN`` stage (``base``) and a compiler that can compile a graph for
 the same inputs later (``compile_later``, ``compat.inductor_compiler_for_later``). At the switch
-the optional passes are re-applied to a copy of ``base``; a half whose resulting graph is the
+the ``PLAN`` stage of the same pipeline re-runs on a copy of ``base``; a half whose resulting graph is the
 one it already runs keeps its compiled code; the others get the new graph, compiled when they
 first run compiled (a half that never runs again is never compiled). Nothing is traced again.
 
@@ -36,9 +37,8 @@ import torch
 from torch.fx import GraphModule
 
 from deepcompile import compat
+from deepcompile.compiler import pipeline
 from deepcompile.offload import bandwidth
-from deepcompile.passes import offload_activation
-from deepcompile.passes.prefetch import apply_prefetch
 
 __all__ = ["HalfPlan", "PlanSource", "has_symbolic_sizes", "plan_key", "replan", "replan_in_place"]
 
@@ -69,7 +69,7 @@ def has_symbolic_sizes(inputs: Sequence[Any]) -> bool:
 class HalfPlan:
     """What one compiled half needs to be re-planned in place and compiled late.
 
-    ``base``: the graph after the ZeRO pass, before the optional passes; ``compile_later``:
+    ``base``: the graph before the pipeline's ``PLAN`` stage; ``compile_later``:
     compiles a graph of this half for its original inputs; ``pending``: the graph to compile at
     the next compiled run (None: the half's code is current); ``strides`` (forward halves): per
     output, the strides its backward was compiled against (None: not known or not a tensor);
@@ -164,7 +164,7 @@ def plan_key(plan: Any) -> Tuple:
 
 
 def replan(half: Any, driver: PlanSource) -> bool:
-    """Re-apply the optional passes of the driver's current plan to ``half`` (a
+    """Re-run the pipeline's ``PLAN`` stage for the driver's current plan on ``half`` (a
     ``compiler.backend._ProfiledCallable`` with a ``plan``); True if its graph changed.
 
     A half whose graph is its base plus a prefetch plan compares plans: no copy, no code
@@ -176,15 +176,11 @@ def replan(half: Any, driver: PlanSource) -> bool:
         if key == plan_state.key:
             return False  # same graph: keep the compiled code (or the deferred compile)
     gm = _copy(plan_state.base)
-    plan = driver.prefetch_plan(gm, half.signature)
-    driver.chain.set_head(plan_state.phase, plan_state.graph_id, plan)
-    if plan is not None:
-        apply_prefetch(gm, plan_state.graph_id, plan)
-    if plan_state.phase == "backward" and half.record.offload_sites:
-        # Activation reloads: early enough to hide their copies behind the profiled nodes.
-        times = offload_activation.profiled_times(driver.profiles.get(half.signature))
-        if times is not None:
-            offload_activation.place_reloads(gm, times, bandwidth.host_to_device_bytes_per_s(driver.device))
+    # The plan's slice of the backend's passes (prefetch, activation reload placement), as at compile time.
+    zero_stage = 3  # halves are re-planned in place under ZeRO-3 alone
+    ctx = pipeline.HalfContext(gm, plan_state.phase, half.record, zero_stage, driver=driver, signature=half.signature,
+                               reload_bytes_per_s=lambda: bandwidth.host_to_device_bytes_per_s(driver.device))
+    plan = pipeline.PIPELINE.run(ctx, [pipeline.Stage.PLAN]).prefetch_plan
     if plan_state.key is None:
         gm.recompile()
         half.gm.recompile()  # its code may be stale (passes ran after its last code generation)
