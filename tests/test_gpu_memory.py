@@ -405,6 +405,10 @@ def _peak_body(ctx, sizes: dict, backend: str, warmup: int, check_alloc: bool):
 
     loss = engine(x, y)
     engine.backward(loss)
+    # Checked before the step too: the step invalidates every gathered copy, which would hide a
+    # parameter the backward never released.
+    _assert_nothing_gathered(runtime, ids, "after the measured step's backward")
+    assert runtime.reduce_bucket_numel() == 0, "reduce buckets still allocated after the measured step's backward"
     if mem is not None:
         torch.cuda.synchronize(ctx.device)
         peak_fwd_bwd = torch.cuda.max_memory_allocated(ctx.device)
@@ -484,7 +488,8 @@ def test_zero3_step_peak_is_bounded():
 @cpu_only
 def test_zero3_prefetching_step_leaves_nothing_gathered_cpu_smoke():
     """The body of test_zero3_step_peak_is_bounded without allocator readings (so no peak): after 3
-    warm-up steps, one step with prefetch leaves no gathered buffer and no reduce bucket."""
+    warm-up steps, one step with prefetch leaves no gathered buffer and no reduce bucket, after
+    its backward and after its optimizer step."""
     run_distributed(_peak_body, WORLD, args=(CPU_SIZES, "eager", 3, False), timeout=300)
 
 
