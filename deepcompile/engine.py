@@ -19,6 +19,7 @@ from deepcompile import compat, debug_checks, logging_setup, ops, optim_builder,
 from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
+from deepcompile.memory.budget import memory_budget
 from deepcompile.offload import optimizer_state_offload
 from deepcompile.offload.activations import activation_memory
 from deepcompile.offload.joint import joint_offload, measured_compute
@@ -100,8 +101,11 @@ class Engine:
         # As DeepSpeed reports skipped steps (Trainer and accelerate read optimizer.overflow).
         self.skipped_steps = 0
         self._report_overflow(False)
+        # The device memory every planner plans against: computed once, agreed over the ranks
+        # (memory/budget.py), handed to each.
+        self.memory_budget = memory_budget(config.compile, self.device, self.group)
         # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
-        self.offload = optimizer_state_offload(config, self.sharding, self.device, self.group)
+        self.offload = optimizer_state_offload(config, self.sharding, self.device, self.group, self.memory_budget)
         self.step_report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.rank, self.device)
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
@@ -114,11 +118,12 @@ class Engine:
             stage=self.stage, group=self.group, device=self.device, rank=self.rank,
             accumulation_steps=self.gradient_accumulation_steps,
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
+            budget=self.memory_budget,
         )
         if self.offload is not None:
             self.scheduler.report.offload = self.offload.report
         # compile.free_activation / offload_activation (offload/activations.py).
-        self.activations = activation_memory(config, self.device)
+        self.activations = activation_memory(config, self.device, self.memory_budget)
         if self.activations is not None:
             self.scheduler.report.activations = self.activations.report
         # Optimizer-state/parameter offload (and activation offload beside them): one plan

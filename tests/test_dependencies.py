@@ -47,6 +47,8 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "progress": (),
     "precision": (),
     "step_report": (),
+    # The memory budget every planner shares (memory/budget.py): torch only.
+    "memory": (),
     # Config is data: it names the runtime's settings and the passes, it does not load them.
     "config": (),
     "optim_builder": ("config",),
@@ -58,21 +60,21 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "ops": ("_C",),
     "debug_checks": ("ops",),
     "profiling": ("compat", "ops", "runtime"),
-    "offload": ("_C", "compat", "config", "ops", "runtime"),
+    "offload": ("_C", "compat", "config", "memory", "ops", "runtime"),
     # ZeRO stages: plug-in points (StateAccess, sub-group hooks) are declared here and filled by
     # offload/ through the engine, so zero/ does not know which offload kinds exist.
     "zero": ("compat", "debug_checks", "ops", "precision", "runtime"),
     # Graph passes insert runtime ops and the activation-offload ops, nothing of the planners.
     "passes": ("compat", "ops", "runtime", "offload.activation_ops"),
     # The scheduler decides plans from profiles; the backend applies them (compiler/replan.py).
-    "scheduling": ("compat", "config", "ops", "runtime", "profiling"),
+    "scheduling": ("compat", "config", "memory", "ops", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
                  "zero"),
     # Checkpoints read and restore a TrainingState value through zero's Sharding interface.
     "checkpoint": ("zero",),
     # The loop: composes everything above.
-    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "offload", "ops",
-               "optim_builder", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
+    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "memory", "offload",
+               "ops", "optim_builder", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
                "step_report", "zero"),
 }
 # Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit

@@ -15,14 +15,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from deepcompile.memory.budget import MemoryBudget
 from deepcompile.offload.opt_states import OptimizerStateOffload
 from deepcompile.offload.settings import OptStateOffloadSettings, opt_state_offload_settings
 
 
-def optimizer_state_offload(config, sharding, device: torch.device,
-                            group: Optional[dist.ProcessGroup]) -> Optional[OptimizerStateOffload]:
-    """The engine's optimizer-state offload, or None when the config leaves it off."""
-    settings = opt_state_offload_settings(config, device)
+def optimizer_state_offload(config, sharding, device: torch.device, group: Optional[dist.ProcessGroup],
+                            budget: Optional[MemoryBudget] = None) -> Optional[OptimizerStateOffload]:
+    """The engine's optimizer-state offload, or None when the config leaves it off. ``budget``:
+    the engine's memory budget (deepcompile/memory/budget.py)."""
+    settings = opt_state_offload_settings(config, device, budget)
     if settings is None:
         return None
     return OptimizerStateOffload(sharding, settings, device, group, sharding.param_names())

@@ -8,8 +8,8 @@ The offload plan. Until it exists, every candidate is offloaded, so a job that f
 offloading runs from its first step (as DeepSpeed does). At the second optimizer step it is made
 from what the first two windows showed: the floor ``F``, the most device memory allocated at any
 offload, reload or wait (with everything offloaded), and the bytes of each offload site. With the
-memory budget ``B`` (``compile.memory_budget_bytes``, else ``memory_budget_fraction`` of the GPU;
-a CPU device has a budget only with ``memory_budget_bytes``), at most ``B - F`` bytes of
+memory budget ``B`` (the engine's, ``deepcompile/memory/budget.py``: ``compile.memory_budget_bytes``,
+else ``memory_budget_fraction`` of the GPU; a CPU device has one only with ``memory_budget_bytes``), at most ``B - F`` bytes of
 activations may stay on the device: the plan offloads the fewest bytes, largest first, that bring
 the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
 budget everything stays offloaded. With optimizer-state or parameter offload on too, the plan at
@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from deepcompile.offload import activation_ops, bandwidth, device_memory
+from deepcompile.memory.budget import MemoryBudget, local_memory_budget
+from deepcompile.offload import activation_ops, bandwidth
 from deepcompile.offload.plan import plan_offload
 
 # On a GPU, copies under 1 MiB are dominated by launch latency and save little: not candidates.
@@ -33,19 +34,17 @@ MIN_OFFLOAD_BYTES_CUDA = 1 << 20
 
 
 class ActivationMemory:
-    def __init__(self, compile_config: Any, device: torch.device):
+    def __init__(self, compile_config: Any, device: torch.device, budget: Optional[MemoryBudget] = None):
+        """``budget``: the engine's, agreed over the ranks (without one, this rank's own under the
+        same rule: a planner built alone)."""
         self.device = device
         self.free = bool(compile_config.free_activation)
         self.free_threshold = int(compile_config.free_activation_threshold)
         self.offloader: Optional[activation_ops.ActivationOffloader] = None
         self.min_offload_bytes = MIN_OFFLOAD_BYTES_CUDA if device.type == "cuda" else 0
-        if compile_config.memory_budget_bytes is not None:
-            self.budget, self.budget_name = compile_config.memory_budget_bytes, "compile.memory_budget_bytes"
-        elif device.type == "cuda":
-            self.budget = int(device_memory.total(device) * compile_config.memory_budget_fraction)
-            self.budget_name = f"compile.memory_budget_fraction {compile_config.memory_budget_fraction}"
-        else:
-            self.budget, self.budget_name = None, "none (CPU device without compile.memory_budget_bytes)"
+        if budget is None:
+            budget = local_memory_budget(compile_config, device)
+        self.budget, self.budget_name = budget.bytes, budget.source
         self.planned_after_step: Optional[int] = None
         self.floor_bytes: Optional[int] = None
         self.joint = None  # offload/joint.py, when optimizer-state or parameter offload is on too
@@ -119,8 +118,9 @@ class ActivationMemory:
         self.offloader = None
 
 
-def activation_memory(config: Any, device: torch.device) -> Optional[ActivationMemory]:
+def activation_memory(config: Any, device: torch.device,
+                      budget: Optional[MemoryBudget] = None) -> Optional[ActivationMemory]:
     cc = config.compile
     if not (cc.free_activation or cc.offload_activation):
         return None
-    return ActivationMemory(cc, device)
+    return ActivationMemory(cc, device, budget)

@@ -20,11 +20,6 @@ def allocated(device: torch.device) -> int:
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
-def total(device: torch.device) -> int:
-    """The device's memory (CUDA only)."""
-    return int(torch.cuda.get_device_properties(device).total_memory)
-
-
 def fits(device: torch.device, nbytes: int) -> bool:
     """Whether ``nbytes`` more can be allocated now: free device memory plus what the caching
     allocator holds unused (always on a CPU device)."""

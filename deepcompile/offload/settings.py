@@ -2,11 +2,9 @@
 
 Which keys turn optimizer-state and parameter offload on, how two switches combine (the larger
 offloaded share, pinned if either asks) and when buffers are pinned are config rules
-(``deepcompile/config/rules.py: offload_switches``); this module adds the budget.
-
-The budget is ``compile.memory_budget_bytes``, else ``compile.memory_budget_fraction`` of the
-GPU's memory. A CPU device has no device memory of its own to plan for: there only
-``memory_budget_bytes`` is a budget; without it everything offloadable is offloaded.
+(``deepcompile/config/rules.py: offload_switches``); this module adds the budget, which the
+engine computes once for every planner (``deepcompile/memory/budget.py``, which states the rule;
+without a budget, on a CPU device, everything offloadable is offloaded).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Optional
 import torch
 
 from deepcompile.config.rules import offload_switches, parameter_offload_keys  # noqa: F401 (re-exported)
-from deepcompile.offload import device_memory
+from deepcompile.memory.budget import MemoryBudget, local_memory_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +35,17 @@ class OptStateOffloadSettings:
     offload_state: bool = True
 
 
-def opt_state_offload_settings(config, device: torch.device) -> Optional[OptStateOffloadSettings]:
+def opt_state_offload_settings(config, device: torch.device,
+                               budget: Optional[MemoryBudget] = None) -> Optional[OptStateOffloadSettings]:
     """None when optimizer-state offload is off. What the keys switch on is decided by the config
-    (``deepcompile/config/rules.py: offload_switches``); the budget is measured here."""
+    (``deepcompile/config/rules.py: offload_switches``); ``budget`` is the engine's, agreed over
+    the ranks (without one, this rank's own under the same rule: settings read alone)."""
     switches = offload_switches(config, device.type)
     if switches is None:
         return None
-    cc = config.compile
-    if cc.memory_budget_bytes is not None:
-        budget, name = cc.memory_budget_bytes, "compile.memory_budget_bytes"
-    elif device.type == "cuda":
-        budget = int(device_memory.total(device) * cc.memory_budget_fraction)
-        name = f"compile.memory_budget_fraction {cc.memory_budget_fraction} of the device's memory"
-    else:
-        budget, name = None, "none (CPU device without compile.memory_budget_bytes)"
-    return OptStateOffloadSettings(switches.enabled_by, switches.min_fraction, switches.pin_memory, budget, name,
+    if budget is None:
+        budget = local_memory_budget(config.compile, device)
+    return OptStateOffloadSettings(switches.enabled_by, switches.min_fraction, switches.pin_memory, budget.bytes,
+                                   budget.source,
                                    offload_masters=switches.offload_masters, force_masters=switches.force_masters,
                                    offload_state=switches.offload_state)

@@ -29,7 +29,6 @@ reducing them twice, so that case raises on every rank.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 
 from deepcompile import runtime
+from deepcompile.memory.budget import MemoryBudget, memory_budget
 from deepcompile.profiling.comm_model import CommModel, measure_allgather
 from deepcompile.profiling.graph_profiler import GraphProfile, ProfileAborted, profile_graph
 from deepcompile.scheduling import planner
@@ -57,12 +57,14 @@ class ScheduleDriver:
     ``stage``, ``group``, ``device``, ``rank``: where the graphs run;
     ``accumulation_steps``: micro-steps per optimizer step; ``resident_ids``: parameters kept
     gathered from the start (the persistence threshold); ``param_names``: ds id -> name, for the
-    report.
+    report; ``budget``: the engine's memory budget (``deepcompile/memory/budget.py``), which the
+    plans keep to; without one the driver agrees it over ``group`` when it first plans.
     """
 
     def __init__(self, compile_config: Any, schedule: PassSchedule, *, prefetch_bucket_numel: int, stage: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, rank: int, accumulation_steps: int,
-                 resident_ids: Sequence[int] = (), param_names: Optional[Dict[int, str]] = None):
+                 resident_ids: Sequence[int] = (), param_names: Optional[Dict[int, str]] = None,
+                 budget: Optional[MemoryBudget] = None):
         self.compile_config = compile_config
         self.schedule = schedule
         self.stage = stage
@@ -75,7 +77,7 @@ class ScheduleDriver:
         self.max_group_numel = prefetch_bucket_numel
         self.chosen_persistent: List[int] = []
         self.comm: Optional[CommModel] = None
-        self._budget: Optional[int] = None
+        self._budget: Optional[MemoryBudget] = budget
         # Profiles of the graphs as they ran in the last profiled micro-step, by graph signature.
         self.profiles: Dict[Tuple, GraphProfile] = {}
         self.graphs: Dict[Tuple, GraphModule] = {}
@@ -269,16 +271,9 @@ class ScheduleDriver:
     def _persistent_ids(self) -> List[int]:
         return self.resident_ids + list(self.chosen_persistent)
 
-    def budget_bytes(self) -> int:
+    def budget_bytes(self) -> Optional[int]:
+        """The bytes the plans keep to; None: no limit (a CPU device without
+        ``compile.memory_budget_bytes``)."""
         if self._budget is None:
-            cfg = self.compile_config
-            if cfg.memory_budget_bytes is not None:
-                budget = cfg.memory_budget_bytes
-            elif self.device.type == "cuda":
-                budget = int(torch.cuda.get_device_properties(self.device).total_memory * cfg.memory_budget_fraction)
-            else:
-                budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.memory_budget_fraction)
-            t = torch.tensor([budget], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            self._budget = int(t.item())
-        return self._budget
+            self._budget = memory_budget(self.compile_config, self.device, self.group)  # collective
+        return self._budget.bytes

@@ -155,11 +155,11 @@ def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int]
         use = group[0].node
         anchor = head if k == 0 else groups[k - 1][0].node
         ahead = True
-        if guided and budget_bytes is not None:
+        if guided:
             window = nodes[order[anchor.name]: order[use.name] + 1]
             window_peak = max((peaks[n.name] for n in window), default=0)
             extra = sum(g.nbytes for g in group if g.ds_id not in kept)
-            ahead = window_peak + extra <= budget_bytes
+            ahead = budget_bytes is None or window_peak + extra <= budget_bytes
             if ahead:
                 predicted = max(predicted, window_peak + extra)
         planned.append(PrefetchGroup(group, (anchor if ahead else use).name, ahead))
@@ -177,7 +177,7 @@ class PersistentChoice:
 class PersistentPlan:
     chosen: List[PersistentChoice]
     base_peak_bytes: int  # profiled peak (+ prefetch extra) before adding persistent parameters
-    budget_bytes: int
+    budget_bytes: Optional[int]  # None: no limit
     skipped_reason: str = ""
 
     @property
@@ -190,7 +190,7 @@ class PersistentPlan:
 
 
 def plan_persistent(gathers_per_graph: Sequence[Sequence[Gather]], profiles: Sequence[GraphProfile],
-                    comm: CommModel, budget_bytes: int, micro_steps_per_step: int,
+                    comm: CommModel, budget_bytes: Optional[int], micro_steps_per_step: int,
                     prefetch_extra_bytes: int = 0, already: Iterable[int] = ()) -> PersistentPlan:
     """Choose the parameters to keep gathered (see the module docstring)."""
     base = max((p.peak_bytes for p in profiles), default=0) + prefetch_extra_bytes
@@ -214,7 +214,7 @@ def plan_persistent(gathers_per_graph: Sequence[Sequence[Gather]], profiles: Seq
     candidates.sort(key=lambda c: (-c.saved_ms / c.nbytes, c.ds_id))
     chosen, used = [], base
     for c in candidates:
-        if used + c.nbytes <= budget_bytes:
+        if budget_bytes is None or used + c.nbytes <= budget_bytes:
             chosen.append(c)
             used += c.nbytes
     reason = "" if chosen else ("nothing fits in the budget" if candidates else "no candidates")
