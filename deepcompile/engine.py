@@ -20,10 +20,8 @@ from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
 from deepcompile.memory.budget import memory_budget
-from deepcompile.offload import optimizer_state_offload
-from deepcompile.offload.activations import activation_memory
-from deepcompile.offload.joint import joint_offload, measured_compute
 from deepcompile.offload.settings import parameter_offload_keys
+from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
@@ -104,10 +102,7 @@ class Engine:
         # The device memory every planner plans against: computed once, agreed over the ranks
         # (memory/budget.py), handed to each.
         self.memory_budget = memory_budget(config.compile, self.device, self.group)
-        # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
-        self.offload = optimizer_state_offload(config, self.sharding, self.device, self.group, self.memory_budget)
         self.step_report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.rank, self.device)
-        runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.micro_steps = 0
@@ -120,26 +115,17 @@ class Engine:
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
             budget=self.memory_budget,
         )
-        if self.offload is not None:
-            self.scheduler.report.offload = self.offload.report
-        # compile.free_activation / offload_activation (offload/activations.py).
-        self.activations = activation_memory(config, self.device, self.memory_budget)
-        if self.activations is not None:
-            self.scheduler.report.activations = self.activations.report
-        # Optimizer-state/parameter offload (and activation offload beside them): one plan
-        # (offload/joint.py).
-        self.joint_offload = joint_offload(
-            self.offload, self.activations, self.gradient_accumulation_steps,
-            lambda: measured_compute(self.scheduler, self.step_report, self.gradient_accumulation_steps))
-        if self.joint_offload is not None:
-            self.scheduler.report.joint = self.joint_offload.report
-        self.scheduler.backward_step = self.sharding.backward_step  # compile.optimizer_step_in_backward
+        # The optional features (offloading, the step in the backward, the debug checks, the step
+        # report's line and timings), in the order their hooks run (parts.py).
+        self.parts: List[Part] = build_parts(
+            config, sharding=self.sharding, schedule=self.scheduler, step_report=self.step_report,
+            device=self.device, group=self.group, budget=self.memory_budget,
+            loss_scaling=self.precision.loss_scaling is not None)
+        self._at = hooks_at(self.parts)
+        self.scheduler.report.contributors = list(self.parts)  # each adds its section, if it has one
+        runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations)
-        self._ledger: Optional[debug_checks.ReductionLedger] = None
-        if config.compile.debug_checks:
-            self._ledger = debug_checks.ReductionLedger(self.sharding.param_names())
-            debug_checks.install(self._ledger)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
         self._first_runs = progress.FirstRuns(show=self.rank == 0)  # compiles are lazy: say when they run
 
@@ -167,17 +153,16 @@ class Engine:
         self.scheduler.begin_micro_step(self.global_steps,
                                         first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
                                         can_profile=self.compiled_module.has_backends)
-        if self.activations is not None:
-            self.activations.check_runs_compiled(self._compiled)
-            self.activations.begin_micro_step()
-        if self.joint_offload is not None:
-            self.joint_offload.note_micro_step(self.scheduler.mode)
+        moment = self._moment()
+        for hook in self._at["begin_micro_step"]:
+            hook(moment)
+        for hook in self._at["before_forward"]:
+            hook(moment, args, kwargs)
         module = self._compiled if self._compiled is not None else self.module
-        self.step_report.count_tokens(args, kwargs)
-        self.step_report.start("forward")
+        self._enter(moment, "forward")
         with self._first_runs("forward", self._compiled is not None):
             out = module(*args, **kwargs)
-        self.step_report.stop("forward")
+        self._exit(moment, "forward")
         return out
 
     def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None) -> None:
@@ -185,14 +170,11 @@ class Engine:
         of tokens this micro-step trained on, for the tokens/s of ``steps_per_print`` (an int or a
         device tensor, e.g. ``attention_mask.sum()``); default: the elements of the forward's
         ``input_ids`` argument, or of its first integer tensor argument."""
-        self.step_report.after_micro_step(loss, tokens)
-        boundary = self.is_gradient_accumulation_boundary()
-        self.sharding.start_backward(boundary)
-        if self.sharding.backward_step is not None:
-            self.sharding.backward_step.begin_backward(boundary, profiled=self.scheduler.mode is not None)
-        if self.offload is not None:
-            self.offload.before_backward(self.is_gradient_accumulation_boundary())
-        self.step_report.start("backward")
+        moment = self._moment()
+        self.sharding.start_backward(moment.boundary)
+        for hook in self._at["before_backward"]:
+            hook(moment, loss, tokens)
+        self._enter(moment, "backward")
         try:
             with self._first_runs("backward", self._compiled is not None):
                 (self.loss_scaler.scale_loss(loss) / self.gradient_accumulation_steps).backward()
@@ -201,9 +183,9 @@ class Engine:
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
         # optimizer step. Graphs flush their own reductions; this catches the rest.
         ops.end_backward([], EAGER_GRAPH_ID, True)
-        self.step_report.stop("backward")
-        if self._ledger is not None:
-            debug_checks.check_finite("the loss", {"loss": loss.detach()})
+        self._exit(moment, "backward")
+        for hook in self._at["after_backward"]:
+            hook(moment, loss)
 
     def step(self) -> Optional[torch.Tensor]:
         """The optimizer step at an accumulation boundary (a no-op between). Returns the global
@@ -213,20 +195,17 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return None
-        if self._ledger is not None:
-            self._check_window()
-        self.step_report.start("step")
-        if self.joint_offload is not None:
-            self.joint_offload.at_schedule_switch(self.scheduler)
-        if self.offload is not None:
-            self.offload.before_step()
-        if self.activations is not None:
-            self.activations.before_step(self.global_steps)
+        moment = self._moment(boundary=True)
+        for hook in self._at["at_boundary"]:
+            hook(moment)
+        self._enter(moment, "step")
+        for hook in self._at["before_step"]:
+            hook(moment)
         scale = self.loss_scaler.loss_scale  # what this step's gradients carry (fp16), for the report
         norm = self.sharding.step(self.config.gradient_clipping, self.loss_scaler.grad_scale)
         self._global_grad_norm = norm
-        if self.offload is not None:
-            self.offload.after_step()
+        for hook in self._at["after_update"]:
+            hook(moment)
         # fp16: an overflow on any rank skipped the update on every rank. As DeepSpeed: the step
         # still counts in global_steps, but not in the LR schedule, which advances once per
         # applied optimizer step, at the accumulation boundary.
@@ -236,15 +215,58 @@ class Engine:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.step_report.stop("step")
+        self._exit(moment, "step")
         self.global_steps += 1
-        self.step_report.after_optimizer_step(self.global_steps, self.get_lr(), norm, self.group, loss_scale=scale)
+        outcome = StepOutcome(norm, self.get_lr(), scale)
+        counted = self._moment(boundary=True)
+        for hook in self._at["after_step"]:
+            hook(counted, outcome)
         if self.scheduler.on_optimizer_step(self.global_steps):
             recompiled = self.compiled_module.recompile()
             if recompiled is not None:
                 self._compiled = recompiled
             self._first_runs.reset()
         return norm
+
+    # ---- the parts (parts.py) -----------------------------------------------------------------
+
+    def _moment(self, boundary: Optional[bool] = None) -> Moment:
+        """Where the loop is, for the parts' hooks."""
+        return Moment(self.global_steps,
+                      self.is_gradient_accumulation_boundary() if boundary is None else boundary,
+                      self.scheduler.mode, self._compiled)
+
+    def _enter(self, moment: Moment, phase: str) -> None:
+        for hook in self._at["enter_phase"]:
+            hook(moment, phase)
+
+    def _exit(self, moment: Moment, phase: str) -> None:
+        for hook in self._at["exit_phase"]:
+            hook(moment, phase)
+
+    def _feature(self, name: str) -> Any:
+        """The object part ``name`` drives, or None when that feature is off."""
+        return next((p.feature for p in self.parts if p.name == name), None)
+
+    @property
+    def offload(self) -> Any:
+        """Optimizer-state (and parameter) offload (offload/opt_states.py), or None."""
+        return self._feature("optimizer_state_offload")
+
+    @property
+    def activations(self) -> Any:
+        """compile.free_activation / offload_activation (offload/activations.py), or None."""
+        return self._feature("activations")
+
+    @property
+    def joint_offload(self) -> Any:
+        """The joint offload plan (offload/joint.py), or None."""
+        return self._feature("joint_offload")
+
+    @property
+    def _ledger(self) -> Optional[debug_checks.ReductionLedger]:
+        """compile.debug_checks' reduction ledger, or None."""
+        return self._feature("debug_checks")
 
     def _report_overflow(self, overflow: bool) -> None:
         """DeepSpeed's optimizer attributes: ``overflow`` (the last step was skipped) and, in fp16,
@@ -286,15 +308,6 @@ class Engine:
     def get_lr(self) -> List[float]:
         """The learning rate of each optimizer param group, as the next optimizer step uses it."""
         return optim_builder.learning_rates(self.basic_optimizer)
-
-    def _check_window(self) -> None:
-        """compile.debug_checks at the optimizer step: every gradient of the window arrived once,
-        and the reduced gradient partitions are finite."""
-        self._ledger.check_window(runtime.reduce_counts())
-        if self.precision.loss_scaling is not None:
-            return  # fp16: an overflow is expected now and then; the step skips it (precision/)
-        grads = {name: runtime.grad_target(ds_id) for ds_id, name in self._ledger.names.items()}
-        debug_checks.check_finite("reduced gradients", grads)
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the profile-guided passes decided at the last schedule switch ({} before any), and
@@ -396,16 +409,12 @@ class Engine:
         # Compiled code may outlive the engine (autograd nodes, torch's compile caches): cut
         # every path from it to the engine's tensors.
         self.scheduler.close()
-        if self.offload is not None:
-            self.offload.close()
-        if self.activations is not None:
-            self.activations.close()
+        for hook in self._at["close"]:
+            hook()
         self.compiled_module.close()
         self._compiled = None
         self.sharding.close()
         runtime.cleanup()
-        if self._ledger is not None and debug_checks.LEDGER is self._ledger:
-            debug_checks.install(None)
 
 
 def initialize(

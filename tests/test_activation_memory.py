@@ -136,10 +136,11 @@ def test_plan_keeps_what_the_budget_allows_largest_offloaded_first(offloader):
         report = mem.report()
         assert report["offloaded_bytes"] == 200 and report["resident_bytes"] == 900
         assert report["predicted_transfer_ms_per_step"] > 0
+        from deepcompile.parts import ActivationsPart
         from deepcompile.scheduling.report import ScheduleReport
 
         schedule = ScheduleReport(SimpleNamespace(report_dir=None, debug_log=False), 0, {})
-        schedule.activations = mem.report
+        schedule.contributors.append(ActivationsPart(mem))
         text = schedule.text()
         assert "activation offload: 200 B offloaded, 900 B kept" in text and "key 3: 200 B, offloaded" in text
     finally:

@@ -72,9 +72,12 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
                  "zero"),
     # Checkpoints read and restore a TrainingState value through zero's Sharding interface.
     "checkpoint": ("zero",),
+    # The loop's optional features as parts with declared hooks, and the one builder of their
+    # ordered list (parts.py): what the engine calls, never the engine itself.
+    "parts": ("debug_checks", "memory", "offload", "runtime", "step_report"),
     # The loop: composes everything above.
     "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "memory", "offload",
-               "ops", "optim_builder", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
+               "ops", "optim_builder", "parts", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
                "step_report", "zero"),
 }
 # Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit

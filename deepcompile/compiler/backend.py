@@ -252,7 +252,11 @@ class DeepCompileBackend:
             if half_plan is not None:
                 half_plan.compiled_now(compiled)
         reduces = record.reduced_ids if is_backward else []
-        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, graph_arg, reduces, half_plan)
+        # compile.optimizer_step_in_backward: the stage's (zero/backward_step.py), told of what
+        # each run of a backward half reduced.
+        step = self._sharding.backward_step if reduces and self._sharding is not None else None
+        return _ProfiledCallable(compiled, profiled_gm, signature, record, self.driver, graph_arg, reduces, half_plan,
+                                 backward_step=step)
 
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
@@ -335,13 +339,15 @@ class _ProfiledCallable:
 
     ``plan`` (ZeRO-3, static sizes): what re-planning in place needs (``compiler/replan.py``);
     ``compiled`` is None while a compile is pending, done at the next run that is not profiled.
+    ``backward_step``: the stage's optimizer step in the backward (``zero/backward_step.py``) for
+    a backward half that reduces gradients, else None.
     """
 
-    __slots__ = ("compiled", "gm", "signature", "record", "driver", "graph_arg", "reduces", "plan", "__weakref__",
-                 "__dict__")
+    __slots__ = ("compiled", "gm", "signature", "record", "driver", "graph_arg", "reduces", "plan", "backward_step",
+                 "__weakref__", "__dict__")
 
     def __init__(self, compiled, gm: GraphModule, signature, record: GraphRecord, driver, graph_arg: int,
-                 reduces: List[int] = (), plan: Optional[replan.HalfPlan] = None):
+                 reduces: List[int] = (), plan: Optional[replan.HalfPlan] = None, backward_step: Any = None):
         compat.mark_boxed(self)
         self.compiled = compiled
         self.gm = gm
@@ -351,6 +357,7 @@ class _ProfiledCallable:
         self.graph_arg = graph_arg  # the input that is the graph instance
         self.reduces = list(reduces)  # ds ids (first instance) this half hands to reduce_grad once per run
         self.plan = plan
+        self.backward_step = backward_step
         driver.track(self)
 
     @property
@@ -364,7 +371,7 @@ class _ProfiledCallable:
         driver = self.driver
         if driver is None:
             raise RuntimeError("deepcompile: this graph belongs to an engine that was destroyed")
-        step = driver.backward_step if self.reduces else None
+        step = self.backward_step
         if step is not None and step.armed:  # compile.optimizer_step_in_backward (zero/backward_step.py)
             instance = self.record.instances[int(boxed[self.graph_arg])]  # read before the run clears boxed
             out = self._run(boxed, driver)
@@ -407,7 +414,7 @@ class _ProfiledCallable:
         return self.compiled(boxed)
 
     def detach(self) -> None:
-        self.compiled = self.gm = self.driver = self.plan = None
+        self.compiled = self.gm = self.driver = self.plan = self.backward_step = None
 
 
 def _instance_signature(signature: tuple, instance: GraphInstance) -> tuple:

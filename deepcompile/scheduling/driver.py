@@ -90,9 +90,6 @@ class ScheduleDriver:
         self.fail_at: Optional[str] = None  # tests: node name whose profiling raises on this rank
         self._halves: List[Any] = []  # weak references to the compiled halves handed to torch
         self.chain = InstanceChain()  # prefetch across graphs (shared layer graphs)
-        # compile.optimizer_step_in_backward: told of every compiled backward graph's reductions (the
-        # engine sets it; zero/backward_step.py).
-        self.backward_step = None
         self.report.chain = self.chain.report
 
     # ---- compiled graphs --------------------------------------------------------------------
@@ -117,7 +114,6 @@ class ScheduleDriver:
         self.report.verify_profiles = {}
         self.chain = InstanceChain()
         self.report.chain = None
-        self.backward_step = None
 
     # ---- what the backend asks --------------------------------------------------------------
 

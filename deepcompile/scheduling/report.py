@@ -112,12 +112,10 @@ class ScheduleReport:
         self.current: Optional[Dict[str, Any]] = None
         self.history = []
         self.verify_profiles: Dict[Tuple, GraphProfile] = {}
-        # Set by the engine when optimizer-state offload is on: returns its plan (a dict).
-        self.offload: Optional[Callable[[], Dict[str, Any]]] = None
-        # Set by the engine when free_activation / offload_activation is on (offload/activations.py).
-        self.activations: Optional[Callable[[], Dict[str, Any]]] = None
-        # Set by the engine when the joint offload plan is on (offload/joint.py).
-        self.joint: Optional[Callable[[], Dict[str, Any]]] = None
+        # Sections owned elsewhere (the engine's parts, deepcompile/parts.py: offload plans and
+        # the like): objects with ``report(into)``, which add their section to the dict each time
+        # the report is read. The report knows none of them by name.
+        self.contributors: List[Any] = []
         # Set by the driver: prefetch across graphs (instance_chain.py).
         self.chain: Optional[Callable[[], Dict[str, Any]]] = None
 
@@ -180,12 +178,8 @@ class ScheduleReport:
             out["graphs"] = [{k: v for k, v in g.items() if k != "_sig"} for g in self.current["graphs"]]
             if self.chain is not None:
                 out["prefetch_across_graphs"] = self.chain()
-        if self.offload is not None:
-            out["optimizer_state_offload"] = self.offload()
-        if self.activations is not None:
-            out["activations"] = self.activations()
-        if self.joint is not None:
-            out["offload_plan"] = self.joint()
+        for contributor in self.contributors:
+            contributor.report(out)
         return out
 
     def text(self) -> str:
