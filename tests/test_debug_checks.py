@@ -50,9 +50,9 @@ def test_checks_pass_on_correct_training(name, stage, backend, gas):
 
 def _dropped_reduction_body(ctx):
     """A compiler that drops one reduce_grad (as a stale Inductor cache entry once did)."""
-    import deepcompile.compiler.backend as backend_mod
+    import deepcompile.compiler.pipeline as pipeline_mod  # the backend runs its passes from there
 
-    original = backend_mod.insert_reductions
+    original = pipeline_mod.insert_reductions
 
     def drop_first(gm, graph_id, grad_slots):
         reductions = original(gm, graph_id, grad_slots)
@@ -61,12 +61,12 @@ def _dropped_reduction_body(ctx):
         gm.graph.erase_node(victim)
         return reductions
 
-    backend_mod.insert_reductions = drop_first
+    pipeline_mod.insert_reductions = drop_first
     try:
         with pytest.raises(debug_checks.DebugCheckError, match=r"1 gradient\(s\) produced, 0 reduced"):
             train_engine("mlp", 1, _config(3), "eager", ctx.device)
     finally:
-        backend_mod.insert_reductions = original
+        pipeline_mod.insert_reductions = original
         debug_checks.install(None)
 
 
