@@ -13,10 +13,11 @@ copies, passes/escaping_views.py):
 The forward and backward compilers of one graph are closures over the same graph id and input
 slots, which is how the two halves are paired; a recompile of the same frame is a new graph.
 
-ZeRO-3's optional passes come from the schedule driver (scheduling/driver.py): the backend asks
-it which passes are in force and for each graph's prefetch plan. Every compiled half is wrapped
-so that the driver can run it through the profiler instead, on the micro-steps it profiles; the
-wrapper keeps a copy of the graph as it was before the inner compiler.
+Which graph passes run on a half, in which order, is one list (compiler/pipeline.py); re-planning
+re-runs its PLAN slice. ZeRO-3's prefetch plan comes from the schedule driver
+(scheduling/driver.py). Every compiled half is wrapped so that the driver can run it through the
+profiler instead, on the micro-steps it profiles; the wrapper keeps a copy of the graph as it was
+before the inner compiler.
 
 Which backend objects exist, and when they are replaced, is ``compiler/compiled_module.py``'s job.
 """
