@@ -3,7 +3,9 @@ DeepSpeed-style loop ``loss = engine(batch); engine.backward(loss); engine.step(
 
 The engine only sequences a step. What it drives lives elsewhere: the stage's partitions and
 optimizer (``zero/``, behind ``zero.sharding.Sharding``), compiling and recompiling the module
-(``compiler/compiled_module.py``) and the pass schedule (``scheduling/driver.py``).
+(``compiler/compiled_module.py``), the pass schedule (``scheduling/driver.py``) and the optional
+features (offloading, the optimizer step in the backward, the debug checks, the step report): parts
+whose hooks it calls at fixed points of the loop, in the order ``parts.build_parts`` lists them.
 """
 
 from __future__ import annotations
