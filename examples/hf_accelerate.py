@@ -77,6 +77,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"first_step": done + 1, "losses": losses, "lrs": lrs, "world_size": accelerator.num_processes,
                        "engine": type(model).__module__}, f)
+    accelerator.free_memory()  # releases the engine (deepcompile's runtime) before end_training ends the process group
     accelerator.end_training()
 
 
