@@ -77,17 +77,17 @@ def _train(engine, ctx, steps: int):
 
 
 class ReloadCounter:
-    """Counts units brought back to the device (``_reload`` of a unit on the host)."""
+    """Counts units brought back to the device (``UnitCopies.reload`` of a unit on the host)."""
 
     def __init__(self, offload):
         self.count = 0
-        original = offload._reload
+        original = offload.copies.reload
 
         def counting(unit):
             self.count += unit.on_host
             return original(unit)
 
-        offload._reload = counting
+        offload.copies.reload = counting
 
 
 def _offloaded(engine):

@@ -278,13 +278,13 @@ def test_checkpoint_round_trip_with_parameter_offload(tmp_path):
 def _spy_on_write_backs(off):
     """Record the host buffer (its address) of every write-back of ``off``'s units."""
     written = []
-    copy = off.lanes.offload
+    copy = off.copies.lanes.offload
 
     def spy(host, dev):
         written.append(host.data_ptr())
         return copy(host, dev)
 
-    off.lanes.offload = spy
+    off.copies.lanes.offload = spy
     return written
 
 
@@ -417,8 +417,8 @@ def _resident_hosts_body(ctx):
                 # A released buffer waits for events of the copies queued before the release
                 # (offload/host_release.py); once they have run, the next poll drops it.
                 torch.cuda.synchronize()
-                off.releases.poll()
-                assert off.releases.nbytes == 0, step
+                off.copies.releases.poll()
+                assert off.copies.releases.nbytes == 0, step
             units = list(off.units.values())
             out = [u for u in units if u.planned_out]
             kept = [u for u in units if not u.planned_out]
@@ -638,7 +638,7 @@ def _gpu_body(ctx, steps: int, early: int):
 
     def at_early(engine):
         off = engine.offload
-        assert off.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
+        assert off.copies.lanes.shares_runtime_lanes  # write-backs on the lane the gathers wait for
         masters = [u for u in off.units.values() if u.what == MASTER]
         assert masters and all(u.on_host for u in masters)
         assert not any(u.on_host for u in off.units.values() if u.what != MASTER)  # Adam state stays

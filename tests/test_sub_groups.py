@@ -138,7 +138,7 @@ def _streaming_body(ctx):
         def before(index, groups):
             inner_before(index, groups)
             here = [j for j, ids in enumerate(groups)
-                    if any(not u.on_host for i in ids for u in off._units_of.get(i, ()))]
+                    if any(not u.on_host for i in ids for u in off.table.of(i))]
             on_device_at_step.append((index, here))
             assert set(here) <= {index, index + 1}, (index, here)
             assert index in here  # the sub-group about to step has its state

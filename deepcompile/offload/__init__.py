@@ -1,8 +1,9 @@
 """Offloading: moving training state to host memory and back (issue 18).
 
-Today: optimizer-state offload (``opt_states.py``), planned per tensor under the memory budget
-(``plan.py``), copied on two lanes (``lanes.py``) into host buffers (``host_memory.py``), which
-are released once a unit stays on the device (``host_release.py``).
+Today: optimizer-state offload (``opt_states.py``) of units (``units.py``), planned per tensor
+under the memory budget (``plan.py``), copied (``unit_copies.py``) on two lanes (``lanes.py``) into
+host buffers (``host_memory.py``), which are released once a unit stays on the device
+(``host_release.py``).
 Parameter offload rides on optimizer-state offload; activation offload has its ops and plan
 (``activation_ops.py``, ``activations.py``); with more than one kind on, ``joint.py`` makes one
 plan for all of them (``joint_plan.py``).

@@ -1,15 +1,15 @@
 """Optimizer-state offload: the optimizer's per-element state (Adam's moments) and, under ZeRO-1/2,
 the fp32 master partitions live in host memory between optimizer steps, as far as the plan says.
 
-Units. What moves is a whole device *storage*: each state tensor the optimizer created for a
-master (one per parameter under ZeRO-3, one per param group under ZeRO-1/2) and each ZeRO-1/2
-master partition; with parameter offload, each ZeRO-3 master shard too (always offloaded, and
-handed to the runtime as the gather source while on the host: ``_hand_gathers``). They are found
-through the stage's ``Sharding`` interface (``shards()`` and ``shard_optimizer_state()``), so this
-module knows no stage's layout. Offloading a unit copies its
-bytes to a host buffer and frees the device storage (``resize_(0)``); the tensor objects the
-optimizer holds stay the same, so the optimizer never notices. Reloading re-allocates the storage
-in place and copies the bytes back: the values are bitwise those written.
+This module sequences the offload through the step, takes the plan's decisions and serves the
+state between steps; its parts live beside it:
+
+* ``units.py``: what moves (a whole device *storage*: optimizer state, a ZeRO-1/2 master partition,
+  with parameter offload a ZeRO-3 master shard), its state (two enums: the plan's ``Placement``
+  and the values' ``Residence``) and how units are found through the stage's ``Sharding``
+  interface, so no stage's layout is known here;
+* ``unit_copies.py``: the copies between the device and the host buffers, and the buffers;
+* ``plan.py``: the arithmetic of the plan (``joint.py`` when other kinds are offloaded too).
 
 A step (``Engine``):
 
@@ -27,7 +27,7 @@ A step (``Engine``):
   the offload lane, ordered after the step, and its device storage is freed at once (the allocator
   is told the offload lane still reads it), so the copy overlaps the next forward. A unit nothing
   wrote since it came back (a frozen parameter's shard) is freed without a copy: its host copy is
-  current (``OffloadUnit.host_current``).
+  current (``Residence.DEVICE_HOST_CURRENT``).
 
 Between steps the state is read and written where it is (``Sharding.state_access`` is this
 object): ``locate`` hands the stage a view of an offloaded unit's host buffer once no copy into or
@@ -54,38 +54,11 @@ import torch.distributed as dist
 
 from deepcompile import compat
 from deepcompile.offload import bandwidth, device_memory, host_memory
-from deepcompile.offload.host_release import HostReleases
-from deepcompile.offload.lanes import CopyLanes
 from deepcompile.offload.plan import OffloadPlan, check_budget, plan_offload
 from deepcompile.offload.settings import OptStateOffloadSettings
-
-MASTER = "fp32 master"
-
-
-@dataclasses.dataclass(eq=False)
-class OffloadUnit:
-    """One device storage that may move to the host."""
-
-    storage_key: int
-    what: str  # MASTER or the optimizer's state key ("exp_avg", ...)
-    ds_ids: List[int]  # the parameters whose state it holds
-    device_bytes: torch.Tensor  # uint8 view of the whole device storage
-    nbytes: int
-    host: Optional[torch.Tensor] = None  # uint8 host buffer, allocated when first planned out
-    planned_out: bool = False  # the plan keeps it on the host between steps
-    early: bool = False  # reloaded from the start of the boundary backward
-    on_host: bool = False  # the device storage is freed; the host copy holds the values
-    written: Any = None  # completion of the last offload copy
-    # The host buffer holds the device copy's values: nothing wrote the device copy since the last
-    # copy between the two, so a write-back would move the same bytes again (``_offload`` skips it).
-    host_current: bool = False
-    reloading: Any = None  # completion of a reload copy the compute stream has not waited for yet
-
-    @property
-    def order_key(self) -> int:
-        # Reload order: the parameters registered last are used last in the forward, so their
-        # gradients are final first in the backward.
-        return -max(self.ds_ids)
+from deepcompile.offload.unit_copies import UnitCopies
+from deepcompile.offload.units import (MASTER, OffloadUnit, Placement, UnitFinder, UnitTable,  # noqa: F401
+                                       assign_placements, label)
 
 
 class OptimizerStateOffload:
@@ -96,16 +69,15 @@ class OptimizerStateOffload:
         self.device = device
         self.group = group
         self.param_names = param_names
-        self.lanes = CopyLanes(device)
-        self.releases = HostReleases()  # host buffers of units the plan keeps resident
-        if settings.offload_masters and self.lanes.async_ and not self.lanes.shares_runtime_lanes:
+        self.copies = UnitCopies(device, settings.pin_memory, settings.offload_masters, self._label)
+        lanes = self.copies.lanes
+        if settings.offload_masters and lanes.async_ and not lanes.shares_runtime_lanes:
             raise RuntimeError("parameter offload needs the deepcompile runtime initialized on " + str(device)
                                + ": its gathers order their reads of host shards after the runtime's offload lane")
-        self.units: Dict[int, OffloadUnit] = {}
+        self.table = UnitTable()
         self.plan: Optional[OffloadPlan] = None
         self.planned_at_step: Optional[int] = None
         self.steps = 0
-        self._discovering = False
         # Measured at the first optimizer step (before it): see plan.py.
         self.peak_without: Optional[int] = None
         self.step_floor: Optional[int] = None
@@ -122,60 +94,30 @@ class OptimizerStateOffload:
         if self.streams:
             sharding.sub_group_hooks = self
         self._groups: List[List[int]] = []  # the sub-groups of the last streamed step
-        self._units_of: Dict[int, List[OffloadUnit]] = {}  # ds id -> units holding its state
-        self._provisional_failure: Optional[str] = None
         self._planned_keys: set = set()  # units the last plan covered
         self._peak_at_plan = 0
-        # The stage's shards, taken while all are on the device: the views stay valid (the same
-        # storages are emptied and refilled in place), and an emptied one could not be viewed again.
-        self._shards = list(sharding.shards())
+        self._masters_before_plan: Optional[int] = None
+        self.finder = UnitFinder(sharding, device)
         if settings.offload_masters and self.streams:
             self._offload_masters_at_start()
 
     # ---- units --------------------------------------------------------------------------------
 
+    @property
+    def units(self) -> Dict[int, OffloadUnit]:
+        """The known units by storage key."""
+        return self.table.by_key
+
     def _discover(self, only_ids: Optional[set] = None) -> Dict[int, OffloadUnit]:
-        """The device storages that may move, by storage key (existing units kept); ``only_ids``:
-        only those holding the state of these parameters."""
-        found: Dict[int, OffloadUnit] = {}
-        # An offloaded unit's device storage is empty and cannot be viewed: the stage hands out
-        # views of its host copy (``locate``), recognised here by the host buffer.
-        by_host = {compat.storage_id(u.host): u for u in self.units.values() if u.on_host}
-        self._discovering = True
-        try:
-            for shard in self._shards:
-                if only_ids is not None and shard.ds_id not in only_ids:
-                    continue
-                n = shard.local.numel()
-                if n == 0:
-                    continue
-                tensors = []
-                if self.sharding.masters_offloadable:
-                    tensors.append((MASTER, shard.local))
-                for key, value in self.sharding.shard_optimizer_state(shard.ds_id).items():
-                    # Per-element state only (a view lined up with the shard); scalars such as
-                    # Adam's step stay where they are.
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == n:
-                        tensors.append((key, value))
-                for what, t in tensors:
-                    unit = by_host.get(compat.storage_id(t))
-                    if unit is None:
-                        if t.device != self.device:
-                            continue
-                        key = compat.storage_id(t)
-                        unit = found.get(key) or self.units.get(key)
-                    if unit is None:
-                        storage = t.untyped_storage()
-                        view = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-                        unit = OffloadUnit(key, what, [], view, storage.nbytes())
-                    key = unit.storage_key
-                    if key not in found:
-                        unit.ds_ids = []
-                        found[key] = unit
-                    unit.ds_ids.append(shard.ds_id)
-        finally:
-            self._discovering = False
-        return found
+        return self.finder.find(self.table.by_key, only_ids)
+
+    def _take_provisionally(self, units) -> None:
+        """Units found outside a plan (parameter offload's masters at the start, state a streamed
+        step just created) are known from now on and go to the host until the next plan decides."""
+        for unit in units:
+            self.table.add(unit)
+            if self.copies.ensure_host(unit):
+                unit.placement = Placement.OFFLOADED  # provisional: the plan at after_step decides
 
     def _offload_masters_at_start(self) -> None:
         """Parameter offload starts before the first forward: a model that fits only with its
@@ -183,15 +125,8 @@ class OptimizerStateOffload:
         offloads activations before profiling). The plan made after the first step brings back
         the masters it keeps resident. Collective: a host buffer that cannot be allocated on one
         rank is raised on every rank."""
-        for unit in self._discover().values():
-            if unit.what != MASTER:
-                continue
-            self.units[unit.storage_key] = unit
-            for ds_id in unit.ds_ids:
-                self._units_of.setdefault(ds_id, []).append(unit)
-            if self._ensure_host(unit):
-                unit.planned_out = True  # provisional, like state created by a streamed step
-        failure, self._provisional_failure = self._provisional_failure, None
+        self._take_provisionally(u for u in self._discover().values() if u.what == MASTER)
+        failure = self.copies.take_failure()
         (failed,) = self._max_over_ranks([float(failure is not None)])
         if failed:
             raise host_memory.PinnedMemoryError(
@@ -200,30 +135,28 @@ class OptimizerStateOffload:
                 + "; free host memory" + (", or turn pin_memory off" if self.settings.pin_memory else ""))
         for unit in self.units.values():
             if unit.planned_out:
-                self._offload(unit)
+                self.copies.offload(unit)
 
     def _label(self, unit: OffloadUnit) -> str:
-        names = [self.param_names.get(i, str(i)) for i in unit.ds_ids]
-        of = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
-        return f"{unit.what} of {of}"
+        return label(unit, self.param_names)
 
     # ---- the step -----------------------------------------------------------------------------
 
     def before_backward(self, boundary: bool) -> None:
         """Start the reloads that fit beside the backward (only at an accumulation boundary)."""
-        self.releases.poll()
+        self.copies.releases.poll()
         if not boundary:
             return
-        for unit in sorted(self.units.values(), key=lambda u: u.order_key):
+        for unit in self.table.in_reload_order():
             if unit.early:
-                self._reload(unit)
+                self.copies.reload(unit)
 
     def before_step(self) -> None:
         """Everything the step reads is on the device (the compute stream waits for it), or, when
         the step streams, will be brought in per sub-group."""
         from deepcompile import runtime
 
-        self.releases.poll()
+        self.copies.releases.poll()
         if self.peak_without is None:
             # First step: measure before any state exists (see plan.py); under ZeRO-1/2 the
             # masters are already there, and resident.
@@ -238,25 +171,22 @@ class OptimizerStateOffload:
             self._new_ids = True
             self._stepped_ids |= ids
         if not self.streams:
-            for unit in self.units.values():
-                unit.host_current = False  # ZeRO-1/2 step every unit whole
             self.materialize()
+            for unit in self.units.values():
+                unit.device_written()  # ZeRO-1/2 step every unit whole
 
     def before_sub_group(self, index: int, groups: List[List[int]]) -> None:
         """Sub-group ``index`` is about to step: its state is on the device for the compute
         stream, and the next sub-group's starts coming back (overlapping this one's step)."""
         self._groups = groups
-        ahead = groups[index: index + 2]
-        for ids in ahead:
+        for ids in groups[index: index + 2]:
             for ds_id in ids:
-                for unit in self._units_of.get(ds_id, ()):
-                    self._reload(unit)
+                for unit in self.table.of(ds_id):
+                    self.copies.reload(unit)
         for ds_id in groups[index]:
-            for unit in self._units_of.get(ds_id, ()):
-                self.lanes.wait(unit.reloading)
-                unit.reloading = None
-                self._hand_gathers(unit, to_host=False)
-                unit.host_current = False  # the step updates it in place
+            for unit in self.table.of(ds_id):
+                self.copies.arrived(unit)
+                unit.device_written()  # the step updates it in place
 
     def after_sub_group(self, index: int, groups: List[List[int]]) -> None:
         """Sub-group ``index`` has stepped: write back what the plan offloads (state the step
@@ -265,25 +195,20 @@ class OptimizerStateOffload:
         # Only a step that creates state (parameters stepped for the first time) or follows a
         # replacement of it has units to find; views of every parameter's state at every step
         # cost milliseconds per 7B step on the host.
-        discover = self._new_ids or self._replaced
-        fresh = [u for u in self._discover(set(ids)).values() if u.storage_key not in self.units] if discover else []
-        for unit in fresh:
-            self.units[unit.storage_key] = unit
-            for ds_id in unit.ds_ids:
-                self._units_of.setdefault(ds_id, []).append(unit)
-            if self._ensure_host(unit):
-                unit.planned_out = True  # provisional: the plan at after_step decides
+        if self._new_ids or self._replaced:
+            self._take_provisionally([u for u in self._discover(set(ids)).values()
+                                      if u.storage_key not in self.units])
         for ds_id in ids:
-            for unit in self._units_of.get(ds_id, ()):
+            for unit in self.table.of(ds_id):
                 # Master shards (parameter offload) go at after_step: until then the stage hands
                 # them out as views (``shards()``), which an emptied storage cannot give.
                 if unit.planned_out and unit.what != MASTER:
-                    self._offload(unit)
+                    self.copies.offload(unit)
 
     def after_step(self) -> None:
         """Write back what the plan offloads; the next forward overlaps the copies."""
         self.steps += 1
-        self.releases.poll()
+        self.copies.releases.poll()
         found = self._discover()
         unplanned, self._unplanned, self._replaced = self._unplanned, False, False
         if self._new_ids:
@@ -294,39 +219,26 @@ class OptimizerStateOffload:
             self._replan(found, collective=False)
         for unit in self.units.values():
             if unit.planned_out:
-                self._offload(unit)
+                self.copies.offload(unit)
             else:
-                self._reload(unit)  # written back provisionally, kept by the plan: comes back now
+                self.copies.reload(unit)  # written back provisionally, kept by the plan: comes back now
         for unit in self.units.values():
             if not unit.planned_out and unit.host is not None:
-                self._release_host(unit)
-
-    def _release_host(self, unit: OffloadUnit) -> None:
-        """``unit`` stays on the device: its host buffer goes (``host_release.py``), so host memory
-        holds only offloaded units. A master's gathers read the device copy from now on. A later
-        plan that offloads the unit again allocates a fresh buffer (``_ensure_host``)."""
-        self.lanes.wait(unit.reloading)  # the compute stream (and the gathers after it) see the reload
-        unit.reloading = None
-        self._hand_gathers(unit, to_host=False)
-        # Recorded after the hand-back: every read of the host copy was queued before these events.
-        self.releases.release(unit.host, self.lanes.readers_done())
-        unit.host, unit.written, unit.host_current = None, None, False
+                self.copies.release_host(unit)
 
     def host_bytes(self) -> int:
         """Host memory held for offloaded state: the units' buffers, and those whose release waits
         for copies still reading them."""
-        return sum(u.host.numel() for u in self.units.values() if u.host is not None) + self.releases.nbytes
+        return self.copies.host_bytes(self.units.values())
 
     def materialize(self) -> None:
         """Bring every offloaded unit back to the device; they stay until the next after_step."""
-        if self._discovering:
+        if self.finder.finding:
             return
         for unit in self.units.values():
-            self._reload(unit)
+            self.copies.reload(unit)
         for unit in self.units.values():
-            self.lanes.wait(unit.reloading)
-            unit.reloading = None
-            self._hand_gathers(unit, to_host=False)
+            self.copies.arrived(unit)
 
     # ---- reading and writing state between steps (Sharding.state_access) -----------------------
 
@@ -336,26 +248,14 @@ class OptimizerStateOffload:
         unit = self.units.get(compat.storage_id(t))
         if unit is None:
             return t
-        if not self._discovering:  # (discovery only takes views: no copy needs to be complete)
-            self._settle(unit)
+        finding = self.finder.finding  # (a search only takes views: no copy needs to be complete)
+        if not finding:
+            self.copies.settle(unit)
         if not unit.on_host:
-            if not self._discovering:
-                unit.host_current = False  # the caller may write the device copy
+            if not finding:
+                unit.device_written()  # the caller may write the device copy
             return t
         return unit.host.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    def _settle(self, unit: OffloadUnit) -> None:
-        """No copy into or out of ``unit``'s host buffer is in flight: its offload is complete
-        (a reader would see half-written bytes, a writer would be overwritten by the copy), and a
-        reload of it is complete and its gathers point back at the device shard (a write to the
-        device copy must be what the next gather reads). Host synchronisation: outside a step."""
-        if unit.written is not None:
-            unit.written.synchronize()
-            unit.written = None
-        if unit.reloading is not None:
-            unit.reloading.synchronize()
-            unit.reloading = None
-            self._hand_gathers(unit, to_host=False)
 
     def state_replaced(self, ds_ids: List[int]) -> None:
         """See ``StateAccess``. The fresh state of a parameter whose previous state was planned
@@ -364,35 +264,31 @@ class OptimizerStateOffload:
         until the plan after the next step decides. Either way the fresh state of ``ds_ids`` is
         the only fresh state on the device beyond what the plan keeps resident."""
         ids = set(ds_ids)
-        old = {u.storage_key: u for i in ids for u in self._units_of.get(i, ()) if u.what != MASTER}
+        old = {u.storage_key: u for i in ids for u in self.table.of(i) if u.what != MASTER}
         previous = {}
         for unit in old.values():
-            self._settle(unit)  # its host buffer may be handed on
-            self.units.pop(unit.storage_key, None)
+            self.copies.settle(unit)  # its host buffer may be handed on
             previous[(unit.what, tuple(sorted(unit.ds_ids)))] = unit
-        for i in ids:
-            if i in self._units_of:
-                self._units_of[i] = [u for u in self._units_of[i] if u.storage_key not in old]
+        self.table.remove(set(old), ids)
         for key, unit in self._discover(ids).items():
             if key in self.units or unit.what == MASTER:
                 # Masters are written in place, never replaced (and one not yet known is left to the
                 # next step's plan: views of it are held by the caller).
                 continue
-            self.units[key] = unit
-            for ds_id in unit.ds_ids:
-                self._units_of.setdefault(ds_id, []).append(unit)
+            self.table.add(unit)
             prev = previous.get((unit.what, tuple(sorted(unit.ds_ids))))
             if prev is not None and prev.nbytes == unit.nbytes:
-                unit.host, unit.planned_out, unit.early = prev.host, prev.planned_out, prev.early
+                unit.host, unit.placement = prev.host, prev.placement
                 if prev.storage_key in self._planned_keys:
                     self._planned_keys.discard(prev.storage_key)
                     self._planned_keys.add(key)
             else:
-                unit.planned_out = self.settings.offload_state and self._ensure_host(unit)
+                offload = self.settings.offload_state and self.copies.ensure_host(unit)
+                unit.placement = Placement.OFFLOADED if offload else Placement.RESIDENT
                 self._unplanned = True  # not in the plan: the next step's plan takes it in
             if unit.planned_out:
-                self._offload(unit)
-                self._settle(unit)  # its device memory is free before the next fresh state
+                self.copies.offload(unit)
+                self.copies.settle(unit)  # its device memory is free before the next fresh state
         self._replaced = self._replaced or bool(old)
 
     # ---- planning -----------------------------------------------------------------------------
@@ -408,13 +304,9 @@ class OptimizerStateOffload:
             self.step_floor = self._other_at_step + sum(u.nbytes for u in found.values())
         else:
             self.step_floor += new_bytes
-        self.units = found
+        self.table.replace_all(found)
         self._planned_keys = set(found)
-        self._units_of = {}
-        for unit in found.values():
-            for ds_id in unit.ds_ids:
-                self._units_of.setdefault(ds_id, []).append(unit)
-        ordered = sorted(found.values(), key=lambda u: u.order_key)
+        ordered = self.table.in_reload_order()
         peak_without, step_floor = self.peak_without, self.step_floor
         joint = getattr(self, "joint", None)  # offload/joint.py: one plan with the activations
         if collective:
@@ -429,31 +321,27 @@ class OptimizerStateOffload:
                                                              else peak_without)
         # Under ZeRO-3 a master unit is a parameter shard (parameter offload's kind); under
         # ZeRO-1/2 a master partition is optimizer state like Adam's moments.
-        shard = [self.streams and u.what == MASTER for u in ordered]
+        shard = [self.is_master_shard(u) for u in ordered]
         eligible = [self.settings.offload_masters if p else self.settings.offload_state for p in shard]
         forced = [p and self.settings.force_masters for p in shard]
         self.plan = plan_offload([u.nbytes for u in ordered], keep_limit, self.settings.min_fraction, forced,
                                  eligible, priority=[int(p) for p in shard])
         self.planned_at_step = self.steps
         self._peak_at_plan = device_memory.peak_allocated(self.device)
-        headroom = 0 if keep_limit is None else keep_limit - self.plan.resident_bytes
+        decided = {u.storage_key: out for u, out in zip(ordered, self.plan.offloaded)}
+        assign_placements(ordered, lambda u: decided[u.storage_key], self.is_master_shard,
+                          None if keep_limit is None else keep_limit - self.plan.resident_bytes)
         failure = None
-        for unit, out, master in zip(ordered, self.plan.offloaded, shard):
-            unit.planned_out = out
-            unit.early = False
-            # (An offloaded master is read by the backward's gathers from the host anyway.)
-            if out and headroom >= unit.nbytes and not master:
-                unit.early = True  # fits beside the backward's peak: reload from its start
-                headroom -= unit.nbytes
-            # (With a joint plan its decision, below, is what gets host buffers.)
-            if out and failure is None and (joint is None or not collective) and not self._ensure_host(unit):
-                failure = self._provisional_failure
+        if joint is None or not collective:  # (with a joint plan its decision, below, gets host buffers)
+            for unit in ordered:
+                if unit.planned_out and not self.copies.ensure_host(unit):
+                    break
+            failure = self.copies.take_failure()
         if joint is not None and collective:
             # The units' decisions are made again together with the activations' (the same
             # measurements, all-reduced there); host buffers for what it offloads are ensured.
             failure = failure or joint.replan("optimizer state planned after step " + str(self.steps), vote=False)
-        failure = failure or self._provisional_failure
-        self._provisional_failure = None
+        failure = failure or self.copies.take_failure()
         failed = float(failure is not None)
         if collective:
             (failed,) = self._max_over_ranks([failed])
@@ -467,7 +355,7 @@ class OptimizerStateOffload:
 
     def joint_units(self) -> List[OffloadUnit]:
         """The planned units in reload order (the joint plan's candidates of this side)."""
-        return sorted(self.units.values(), key=lambda u: u.order_key)
+        return self.table.in_reload_order()
 
     def is_master_shard(self, unit: OffloadUnit) -> bool:
         """Under ZeRO-3 a master unit is a parameter shard (parameter offload's kind, read by every
@@ -481,13 +369,8 @@ class OptimizerStateOffload:
             return sum(u.nbytes for u in self.units.values() if not u.on_host)
         if self.plan is not None or not self.sharding.masters_offloadable:
             return 0
-        if not hasattr(self, "_masters_before_plan"):
-            seen = {}
-            for shard in self._shards:
-                t = shard.local
-                if t.numel() and t.device == self.device:
-                    seen[compat.storage_id(t)] = t.untyped_storage().nbytes()
-            self._masters_before_plan = sum(seen.values())
+        if self._masters_before_plan is None:
+            self._masters_before_plan = self.finder.device_master_bytes()
         return self._masters_before_plan
 
     def apply_joint_plan(self, offloaded: Dict[int, bool], headroom: Optional[int]) -> Optional[str]:
@@ -496,35 +379,15 @@ class OptimizerStateOffload:
         in ``_replan``. The copies happen at after_step. Returns why a host buffer could not be
         allocated on this rank (None: all were), for the caller's vote across ranks."""
         units = self.joint_units()
-        left = 0 if headroom is None else headroom
-        for unit in units:
-            unit.planned_out = bool(offloaded.get(unit.storage_key, unit.planned_out))
-            unit.early = False
-            if unit.planned_out and not self.is_master_shard(unit) and left >= unit.nbytes:
-                unit.early = True
-                left -= unit.nbytes
+        assign_placements(units, lambda u: bool(offloaded.get(u.storage_key, u.planned_out)), self.is_master_shard,
+                          headroom)
         out = [u.planned_out for u in units]
         moved = sum(u.nbytes for u in units if u.planned_out)
         required = self.plan.required_bytes if self.plan is not None else moved
         self.plan = OffloadPlan(out, sum(u.nbytes for u in units) - moved, moved, required)
-        failure = None
-        for unit in units:
-            if unit.planned_out and failure is None and not self._ensure_host(unit):
-                failure = self._provisional_failure
-        self._provisional_failure = None
-        return failure
-
-    def _ensure_host(self, unit: OffloadUnit) -> bool:
-        """``unit`` has a host buffer (allocated now if needed); False (and the failure noted, to
-        be raised on every rank by the next collective plan) when it cannot get one."""
-        if unit.host is not None and unit.host.numel() == unit.nbytes:
-            return True
-        try:
-            unit.host = host_memory.empty_host(unit.nbytes, self.settings.pin_memory)
-            return True
-        except host_memory.PinnedMemoryError as e:
-            self._provisional_failure = self._provisional_failure or f"{self._label(unit)}: {e}"
-            return False
+        failed = any(u.planned_out and not self.copies.ensure_host(u) for u in units)  # stops at the first
+        failure = self.copies.take_failure()  # (one noted earlier, e.g. by a streamed step, is superseded)
+        return failure if failed else None
 
     def _window_bytes(self, found: Dict[int, OffloadUnit]) -> int:
         """The most state bytes two consecutive sub-groups of the last step hold."""
@@ -539,51 +402,6 @@ class OptimizerStateOffload:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
-
-    # ---- copies -------------------------------------------------------------------------------
-
-    def _offload(self, unit: OffloadUnit) -> None:
-        if unit.on_host:
-            return
-        if unit.host_current:
-            # Unchanged since it came back (a frozen parameter's shard, state of a parameter the
-            # step skipped): the host already has these bytes; only the device copy goes. It may
-            # be freed once the compute stream is past its reload.
-            self.lanes.wait(unit.reloading)
-            unit.reloading = None
-        else:
-            unit.written = self.lanes.offload(unit.host, unit.device_bytes)
-            unit.host_current = True
-        self._hand_gathers(unit, to_host=True)
-        unit.device_bytes.untyped_storage().resize_(0)
-        unit.on_host = True
-
-    def _hand_gathers(self, unit: OffloadUnit, to_host: bool) -> None:
-        """Parameter offload: a master unit (under ZeRO-3 one parameter's shard storage) is what
-        the runtime gathers from; point its gathers at the host copy while it is there, back at
-        the device shard once the reload is waited for (the runtime orders host reads after the
-        offload lane's copies)."""
-        if not (self.settings.offload_masters and unit.what == MASTER):
-            return
-        from deepcompile import runtime
-
-        if not to_host and not runtime.is_initialized():
-            return  # the runtime is gone (engine teardown): no gather to point back
-        for ds_id in unit.ds_ids:
-            host = None
-            if to_host:
-                shard = runtime.registered_shard(ds_id)
-                start = shard.storage_offset()
-                host = unit.host.view(shard.dtype)[start: start + shard.numel()]
-            runtime.set_host_shard(ds_id, host)
-
-    def _reload(self, unit: OffloadUnit) -> None:
-        if not unit.on_host:
-            return
-        # Allocated on the compute stream, where the step will use it.
-        unit.device_bytes.untyped_storage().resize_(unit.nbytes)
-        unit.reloading = self.lanes.reload(unit.device_bytes, unit.host, unit.written)
-        unit.on_host = False
 
     # ---- reporting and teardown ---------------------------------------------------------------
 
@@ -641,10 +459,10 @@ class OptimizerStateOffload:
                           stacklevel=3)
         else:
             self.materialize()
-        self.lanes.synchronize()
-        self.releases.drain()
+        self.copies.lanes.synchronize()
+        self.copies.releases.drain()
         if self.sharding.state_access is self:
             self.sharding.state_access = None
         for unit in self.units.values():
             unit.host = None
-        self.units = {}
+        self.table.clear()

@@ -1,7 +1,7 @@
 """Which optimizer-state tensors leave the device: a plan under the memory budget.
 
 Pure arithmetic on byte counts, so it is tested on its own (tests/test_offload.py). The runtime
-side (copies, streams, freeing) is ``opt_states.py``.
+side (copies, streams, freeing) is ``opt_states.py`` with ``unit_copies.py``.
 
 Model. Between optimizer steps, every tensor the plan keeps *resident* occupies the device through
 the whole forward and backward, so it adds to their peak; an *offloaded* tensor occupies nothing
