@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--state-dir", help="accelerator.save_state here after --state-step optimizer steps")
     p.add_argument("--state-step", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="load_state from --state-dir and continue after it")
@@ -47,7 +48,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(CausalLMRows(token_rows(args.rows)), batch_size=args.micro_batch)
     # accelerate steps a prepared scheduler once per process per optimizer step: count loader batches.
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2,
-                                                num_training_steps=len(loader) // args.accumulation)
+                                                num_training_steps=args.epochs * len(loader) // args.accumulation)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     model.train()
@@ -57,21 +58,23 @@ def main() -> None:
         accelerator.load_state(args.state_dir)  # engine (model, optimizer), scheduler, random states
         done = args.state_step
         batches = accelerator.skip_first_batches(loader, done * args.accumulation)
-    for batch in batches:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        window.append(accelerator.reduce(loss.detach(), "mean").item())
-        if accelerator.sync_gradients:
-            losses.append(sum(window) / len(window))
-            lrs.append(scheduler.get_last_lr()[0])
-            window = []
-            accelerator.print(f"step {done + len(losses)}: loss {losses[-1]:.4f}")
-            if args.state_dir and not args.resume and done + len(losses) == args.state_step:
-                accelerator.save_state(args.state_dir)
+    for epoch in range(args.epochs):
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window.append(accelerator.reduce(loss.detach(), "mean").item())
+            if accelerator.sync_gradients:
+                losses.append(sum(window) / len(window))
+                lrs.append(scheduler.get_last_lr()[0])
+                window = []
+                accelerator.print(f"step {done + len(losses)}: loss {losses[-1]:.4f}")
+                if args.state_dir and not args.resume and done + len(losses) == args.state_step:
+                    accelerator.save_state(args.state_dir)
+        batches = loader  # a resumed run skipped batches of its first epoch only
 
     if accelerator.is_main_process and args.out:
         with open(args.out, "w") as f:

@@ -31,20 +31,20 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference():
-    return hf_launch.accelerate_reference(ROWS, MICRO, ACCUM, WORLD, LR)
+def _reference(rows=ROWS, epochs=1):
+    return hf_launch.accelerate_reference(rows, MICRO, ACCUM, WORLD, LR, epochs=epochs)
 
 
-def _args(out):
-    return ["--rows", str(ROWS), "--micro-batch", str(MICRO), "--accumulation", str(ACCUM), "--lr", str(LR),
+def _args(out, rows=ROWS):
+    return ["--rows", str(rows), "--micro-batch", str(MICRO), "--accumulation", str(ACCUM), "--lr", str(LR),
             "--out", str(out)]
 
 
-def _check(result):
-    ref = _reference()
+def _check(result, rows=ROWS, epochs=1):
+    ref = _reference(rows, epochs)
     assert result["world_size"] == WORLD
     assert result["engine"] == "deepcompile.integrations.deepspeed_api.engine"  # deepcompile trained it
-    assert len(result["losses"]) == len(ref["losses"]) == ROWS // (MICRO * WORLD * ACCUM)
+    assert len(result["losses"]) == len(ref["losses"]) == epochs * -(-rows // (MICRO * WORLD * ACCUM))
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), **TOL)
     torch.testing.assert_close(torch.tensor(result["lrs"]), torch.tensor(ref["lrs"]), rtol=1e-6, atol=1e-9)
     assert result["losses"][-1] < result["losses"][0] - 0.3  # it learned
@@ -137,3 +137,20 @@ def test_served_cpu_adam_is_torch_adam_with_the_same_update():
         "type(DeepSpeedCPUAdam(p, lr=0.1, adamw_mode=False)).__name__)\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["AdamW", "Adam"]
+
+
+def test_accelerate_short_last_window_matches_single_process(tmp_path):
+    """11 micro-batches per rank with 2 per window, two epochs: accelerate ends each epoch's last
+    window after one micro-batch (end of the loader) through set_gradient_accumulation_boundary;
+    that step is taken, as in DeepSpeed, the next epoch starts a new window (save_state right
+    after it is at a window boundary, and resuming from it continues exactly), and the run stays
+    equal to the reference."""
+    rows, state = 44, ["--state-dir", str(tmp_path / "state"), "--state-step", "6"]  # step 6 ends epoch 1
+    out = tmp_path / "run.json"
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, "--epochs", "2", *state, *_args(out, rows)], nproc=WORLD)
+    full = hf_launch.read_json(out)
+    _check(full, rows, epochs=2)
+    resumed_out = tmp_path / "resumed.json"
+    hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, "--epochs", "2", *state, "--resume",
+                                 *_args(resumed_out, rows)], nproc=WORLD)
+    assert hf_launch.read_json(resumed_out)["losses"] == full["losses"][6:]

@@ -67,11 +67,11 @@ def examples_module(name: str):
 
 
 def accelerate_reference(rows: int, micro_batch: int, accumulation: int, world_size: int, lr: float,
-                         max_grad_norm: float = 1.0) -> Dict[str, List[float]]:
+                         max_grad_norm: float = 1.0, epochs: int = 1) -> Dict[str, List[float]]:
     """examples/hf_accelerate.py's training in one process with plain PyTorch, on the same global
     batches: micro-step k of the distributed run sees rows [k*W*mb, (k+1)*W*mb) split over the W
     ranks (accelerate hands rank r every W-th batch of the loader), the gradient is averaged over
-    them and the window, clipped to max_grad_norm (accelerate fills DeepSpeed's "auto" clipping
+    them and the window (a last, shorter window as DeepSpeed does it), clipped to max_grad_norm (accelerate fills DeepSpeed's "auto" clipping
     with 1.0), and the schedule steps W times per optimizer step (accelerate's
     AcceleratedScheduler, since each step consumed W loader batches)."""
     from transformers import get_linear_schedule_with_warmup
@@ -80,15 +80,17 @@ def accelerate_reference(rows: int, micro_batch: int, accumulation: int, world_s
     model = tiny.build_model(seed=0)
     data = tiny.token_rows(rows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    total = rows // micro_batch // accumulation
+    total = epochs * (rows // micro_batch) // accumulation
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=total)
     global_batch = micro_batch * world_size
+    batches = rows // global_batch  # per rank (the loader's batches split over the ranks)
     losses, lrs = [], []
-    for step in range(rows // (global_batch * accumulation)):
+    for first in [f for _ in range(epochs) for f in range(0, batches, accumulation)]:
+        # A last window of fewer micro-batches ends at the end of the loader; DeepSpeed still
+        # divides each loss by gradient_accumulation_steps.
         window = []
-        for j in range(accumulation):
-            start = (step * accumulation + j) * global_batch
-            batch = data[start:start + global_batch]
+        for k in range(first, min(first + accumulation, batches)):
+            batch = data[k * global_batch:(k + 1) * global_batch]
             loss = model(input_ids=batch, labels=batch).loss
             (loss / accumulation).backward()
             window.append(loss.item())
