@@ -32,6 +32,7 @@ the previous line. Without it nothing is timed and nothing is synchronized.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -55,6 +56,15 @@ def tokens_in(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[int]:
                 and value.dtype != torch.bool:
             return value.numel()
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSeconds:
+    """Seconds of each phase per optimizer step (``wall_clock_breakdown``'s timings)."""
+
+    forward: float
+    backward: float
+    step: float
 
 
 class StepReport:
@@ -92,6 +102,15 @@ class StepReport:
         if self.timing and phase in self._started:
             self._sync()
             self.totals_ms[phase] += (time.perf_counter() - self._started.pop(phase)) * 1e3
+
+    def phase_seconds(self) -> Optional[PhaseSeconds]:
+        """Each phase's seconds per optimizer step since the last step line (what the offload
+        plan weighs its copies against); None without ``wall_clock_breakdown`` or before a step."""
+        n = self._steps_in_window
+        if not self.timing or n == 0:
+            return None
+        per_step = {p: ms / 1e3 / n for p, ms in self.totals_ms.items()}
+        return PhaseSeconds(per_step["forward"], per_step["backward"], per_step["step"])
 
     # ---- what each micro-step contributes ------------------------------------------------------
 

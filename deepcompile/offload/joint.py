@@ -93,7 +93,7 @@ class JointOffload:
         f, b, s, source = compute if compute is not None else (0.0, 0.0, 0.0, "none")
         # One decision for all ranks: the largest readings, the slowest link (integers: bytes,
         # microseconds, bytes per second negated).
-        floor, step_floor, f_us, b_us, s_us, h2d, d2h = off._max_over_ranks(
+        floor, step_floor, f_us, b_us, s_us, h2d, d2h = off.max_over_ranks(
             [floor, step_floor, f * 1e6, b * 1e6, s * 1e6, -link.host_to_device, -link.device_to_host])
         return {"fb_floor_bytes": floor, "step_floor_bytes": step_floor,
                 "compute": ComputeTimes(f_us / 1e6, b_us / 1e6, s_us / 1e6), "compute_source": source,
@@ -125,7 +125,7 @@ class JointOffload:
             error = e
         # The floors are the same on every rank, the candidates not quite (shard sizes): a budget
         # that one rank cannot meet is raised on every rank.
-        (failed,) = off._max_over_ranks([float(error is not None)])
+        (failed,) = off.max_over_ranks([float(error is not None)])
         if failed:
             raise error or OffloadBudgetError("offload: the memory budget cannot be met on another rank (its error "
                                               "names the minimum there)")
@@ -142,7 +142,7 @@ class JointOffload:
                              "predicted_exposed_ms_per_step": plan.exposed_total_s * 1e3})
         if not vote:
             return failure
-        (failed,) = off._max_over_ranks([float(failure is not None)])
+        (failed,) = off.max_over_ranks([float(failure is not None)])
         if failed:
             raise host_memory.PinnedMemoryError(
                 "offload (joint plan) could not allocate its host buffers"
@@ -166,16 +166,13 @@ class JointOffload:
     def at_schedule_switch(self, driver: Any) -> None:
         """Before an optimizer step: once a schedule switch's first micro-step has been measured,
         redo the plan if the measured peak moved or op times were measured for the first time."""
-        report = driver.report.current
-        if report is None or self.plan is None or driver._verify_pending or report["step"] == self._switch_seen:
+        switch = driver.last_switch()  # scheduling/driver.py: SwitchPeaks
+        if switch is None or self.plan is None or switch.step == self._switch_seen:
             return
-        self._switch_seen = report["step"]
-        graphs = report["graphs"]
-        before = max((g["profiled_peak_bytes"] or 0 for g in graphs), default=0)
-        measured = [g["measured_peak_bytes"] for g in graphs if g["measured_peak_bytes"] is not None]
+        self._switch_seen = switch.step
+        before, after = switch.profiled_peak_bytes, switch.measured_peak_bytes
         # Without a verify profile (compile.verify_plan off, the default) the switched schedule's
-        # peak is not measured: no move can be read (a missing reading is not a peak of 0).
-        after = max(measured) if measured else None
+        # peak is not measured: no move can be read.
         # Left out: what the plans kept on the device at each measurement (they may differ).
         moved = 0 if after is None else \
             (after - self._resident_at.get("verify", 0)) - (before - self._resident_at.get("plan", 0))
@@ -190,9 +187,9 @@ class JointOffload:
         source = self.compute()
         if source is not None and source[3] != self.inputs.get("compute_source"):
             reasons.append(f"compute times now from the {source[3]}")
-        (redo,) = self.offload._max_over_ranks([float(bool(reasons))])
+        (redo,) = self.offload.max_over_ranks([float(bool(reasons))])
         if redo:
-            self.replan(f"schedule switch at step {report['step']}: " + ("; ".join(reasons) or "on another rank"))
+            self.replan(f"schedule switch at step {switch.step}: " + ("; ".join(reasons) or "on another rank"))
 
     # ---- report -------------------------------------------------------------------------------
 
@@ -231,18 +228,17 @@ class JointOffload:
 
 def measured_compute(driver: Any, step_report: Any, micro_steps: int) -> Optional[Tuple[float, float, float, str]]:
     """Compute seconds per optimizer step (forward, backward, step) and where they come from: the
-    schedule's last profile (one micro-step's op times), else ``wall_clock_breakdown``'s timings
-    since its last line; None when neither exists."""
-    profiles = [p for p in driver.report.verify_profiles.values() if p.complete] \
-        or [p for p in driver.profiles.values() if p.complete]
-    timed = step_report.timing and step_report._steps_in_window > 0
-    per_step = {k: v / 1e3 / step_report._steps_in_window for k, v in step_report.totals_ms.items()} if timed else {}
+    schedule's last profile (one micro-step's op times, ``ScheduleDriver.compute_profiles``), else
+    ``wall_clock_breakdown``'s timings since its last line (``StepReport.phase_seconds``); None
+    when neither exists."""
+    profiles = driver.compute_profiles()
+    timed = step_report.phase_seconds()
     if profiles:
         f = sum(p.total_time_ms for p in profiles if p.phase == "forward") / 1e3 * micro_steps
         b = sum(p.total_time_ms for p in profiles if p.phase == "backward") / 1e3 * micro_steps
-        return f, b, per_step.get("step", 0.0), "profile"
-    if timed:
-        return per_step["forward"], per_step["backward"], per_step["step"], "wall_clock_breakdown"
+        return f, b, timed.step if timed is not None else 0.0, "profile"
+    if timed is not None:
+        return timed.forward, timed.backward, timed.step, "wall_clock_breakdown"
     return None
 
 

@@ -97,6 +97,8 @@ class OptimizerStateOffload:
         self._planned_keys: set = set()  # units the last plan covered
         self._peak_at_plan = 0
         self._masters_before_plan: Optional[int] = None
+        # offload/joint.py: set by JointOffload when one plan covers this and the other kinds.
+        self.joint: Optional[Any] = None
         self.finder = UnitFinder(sharding, device)
         if settings.offload_masters and self.streams:
             self._offload_masters_at_start()
@@ -127,7 +129,7 @@ class OptimizerStateOffload:
         rank is raised on every rank."""
         self._take_provisionally(u for u in self._discover().values() if u.what == MASTER)
         failure = self.copies.take_failure()
-        (failed,) = self._max_over_ranks([float(failure is not None)])
+        (failed,) = self.max_over_ranks([float(failure is not None)])
         if failed:
             raise host_memory.PinnedMemoryError(
                 "parameter offload (" + self.settings.enabled_by + ") could not allocate its host buffers"
@@ -308,10 +310,10 @@ class OptimizerStateOffload:
         self._planned_keys = set(found)
         ordered = self.table.in_reload_order()
         peak_without, step_floor = self.peak_without, self.step_floor
-        joint = getattr(self, "joint", None)  # offload/joint.py: one plan with the activations
+        joint = self.joint
         if collective:
             # One plan decision for all ranks: the largest measurement, so every rank raises alike.
-            peak_without, step_floor = self._max_over_ranks([peak_without, step_floor])
+            peak_without, step_floor = self.max_over_ranks([peak_without, step_floor])
             self.peak_without, self.step_floor = peak_without, step_floor
             check_budget(self.settings.budget_bytes, self.settings.budget_name, peak_without, step_floor)
         budget = self.settings.budget_bytes
@@ -344,7 +346,7 @@ class OptimizerStateOffload:
         failure = failure or self.copies.take_failure()
         failed = float(failure is not None)
         if collective:
-            (failed,) = self._max_over_ranks([failed])
+            (failed,) = self.max_over_ranks([failed])
         if failed:
             raise host_memory.PinnedMemoryError(
                 "optimizer-state offload (" + self.settings.enabled_by + ") could not allocate its host buffers"
@@ -398,7 +400,9 @@ class OptimizerStateOffload:
         sizes = [sum(per_id.get(i, 0) for i in ids) for ids in self._groups] or [0]
         return max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
 
-    def _max_over_ranks(self, values: List[float]) -> List[int]:
+    def max_over_ranks(self, values: List[float]) -> List[int]:
+        """The largest of each value over the ranks, as integers: one decision for every rank
+        (collective; the joint plan agrees its measurements with it too)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
