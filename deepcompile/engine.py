@@ -43,15 +43,16 @@ def _check_implemented(config: Config) -> None:
             warnings.warn(notice, stacklevel=3)
 
 
-def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
+def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, precision: PrecisionPolicy,
                    group: dist.ProcessGroup, device: torch.device, init_fn: Optional[InitFn]) -> Sharding:
     stage = config.zero_optimization.stage
+    # The stages read their gather and reduce dtypes from the engine's one precision policy.
     if stage == 3:
         # Parameter offload keeps the gather sources on the host: the stage is told, it does not
         # look at the offload settings itself.
-        return Zero3Sharding(model, optimizer, config, group, device=device, init_fn=init_fn,
+        return Zero3Sharding(model, optimizer, config, precision, group, device=device, init_fn=init_fn,
                              masters_offloadable=bool(parameter_offload_keys(config)))
-    return Zero12Sharding(model, optimizer, config, group, stage, device=device, init_fn=init_fn)
+    return Zero12Sharding(model, optimizer, config, precision, group, stage, device=device, init_fn=init_fn)
 
 
 def _listed(names: List[str], limit: int = 6) -> str:
@@ -87,7 +88,8 @@ class Engine:
         runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
         # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
         # holds its shards plus one module's parameters at a time) and partitions it.
-        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.group, self.device, init_fn)
+        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.precision, self.group, self.device,
+                                                   init_fn)
         # Floating-point buffers a meta model left without value (no init_fn): checked once, at
         # the first forward, together with sharding.unset_params.
         self._unset_buffers = list(self.sharding.materialized.unset_buffers)

@@ -782,11 +782,6 @@ def test_fp16_communication_is_refused():
     assert "communication_data_type=\"fp16\" is not supported" in err(make(communication_data_type="fp16"))
 
 
-def test_zero3_reduce_dtype():
-    assert Config.from_any(Z3).zero3_reduce_dtype() is torch.float32
-    assert Config.from_any(make(communication_data_type="bf16")).zero3_reduce_dtype() is torch.bfloat16
-
-
 # ---- optimizer and scheduler sections
 
 

@@ -70,8 +70,9 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "scheduling": ("compat", "config", "memory", "ops", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
                  "zero"),
-    # Checkpoints read and restore a TrainingState value through zero's Sharding interface.
-    "checkpoint": ("zero",),
+    # Checkpoints read and restore a TrainingState value through zero's Sharding interface (and
+    # the saved config's dtypes through the precision policy).
+    "checkpoint": ("precision", "zero"),
     # The loop's optional features as parts with declared hooks, and the one builder of their
     # ordered list (parts.py): what the engine calls, never the engine itself.
     "parts": ("debug_checks", "memory", "offload", "runtime", "step_report"),

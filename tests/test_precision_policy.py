@@ -52,6 +52,46 @@ def test_fp16_config_is_read_with_deepspeeds_defaults():
     assert (scaler.settings.loss_scale_window, scaler.settings.hysteresis, scaler.settings.min_loss_scale) == (1000, 2, 1)
 
 
+@pytest.mark.parametrize("comm,reduce_dtype", [(None, torch.float32), ("fp32", torch.float32),
+                                               ("bf16", torch.bfloat16)])
+def test_zero3_reduce_dtype_follows_communication_data_type(comm, reduce_dtype):
+    c = Config.from_any({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                         "communication_data_type": comm})
+    assert PrecisionPolicy.from_config(c).zero3_reduce_dtype is reduce_dtype
+
+
+def test_every_stage_reads_its_reduce_and_gather_dtypes_from_the_policy():
+    p = PrecisionPolicy.from_config(config(bf16=True, communication_data_type="bf16"))
+    bf16_param = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    fp32_param = torch.nn.Parameter(torch.zeros(2))
+    assert p.reduce_dtype(3, fp32_param) is torch.bfloat16  # ZeRO-3: communication_data_type
+    for stage in (1, 2):  # ZeRO-1/2: the parameter's dtype, whatever communication_data_type says
+        assert p.reduce_dtype(stage, bf16_param) is torch.bfloat16
+        assert p.reduce_dtype(stage, fp32_param) is torch.float32
+    assert PrecisionPolicy().reduce_dtype(3, bf16_param) is torch.float32
+    # Gathers return the parameter's dtype, not the fp32 master's.
+    assert p.gather_dtype(bf16_param) is torch.bfloat16 and p.gather_dtype(fp32_param) is torch.float32
+
+
+@pytest.mark.parametrize("section,dtype", [(None, None), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_a_saved_config_dict_gives_the_policy_of_the_config_it_came_from(section, dtype):
+    d = {"zero_optimization": {"stage": 3}, "communication_data_type": "bf16" if section == "bf16" else None}
+    if section is not None:
+        d[section] = {"enabled": True, **({"loss_scale": 64.0} if section == "fp16" else {})}
+    c = Config.from_any(d).resolve(2)
+    saved = PrecisionPolicy.from_saved_config(c.to_dict())
+    assert saved == PrecisionPolicy.from_config(c)
+    assert saved.param_dtype is dtype
+    assert (saved.loss_scaling is not None) == (section == "fp16")
+
+
+def test_a_saved_config_dict_without_precision_sections_trains_in_the_stored_dtypes():
+    # A checkpoint whose recorded config lacks the sections (or records none at all).
+    for saved in ({}, {"bf16": None, "fp16": {"enabled": False}}):
+        p = PrecisionPolicy.from_saved_config(saved)
+        assert p == PrecisionPolicy() and p.param_dtype is None
+
+
 @pytest.mark.parametrize("extra,key", [
     # The step in the backward updates before an overflow is known.
     ({"compile": {"optimizer_step_in_backward": True}}, "compile.optimizer_step_in_backward"),

@@ -27,6 +27,7 @@ from deepcompile.checkpoint import layout
 from deepcompile.checkpoint.agreement import CheckpointError
 from deepcompile.checkpoint.dcp_checkpoint import BUFFERS, MODEL
 from deepcompile.checkpoint.flat_planners import FlatRange, FlatRangeLoadPlanner
+from deepcompile.precision.policy import PrecisionPolicy
 
 DEFAULT_BATCH_BYTES = 1 << 30
 
@@ -72,13 +73,9 @@ class OfflineCheckpoint:
         return int(self.meta["zero_stage"])
 
     def training_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the parameters trained in (bf16 / fp16 from the saved config), or None: the
-        dtype each parameter is stored in."""
-        config = self.meta.get("config") or {}
-        for section, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            if (config.get(section) or {}).get("enabled") is True:
-                return dtype
-        return None
+        """The dtype the parameters trained in (the saved config's precision policy: bf16 / fp16),
+        or None: the dtype each parameter is stored in."""
+        return PrecisionPolicy.from_saved_config(self.meta.get("config") or {}).param_dtype
 
     def read(self, batch_bytes: int = DEFAULT_BATCH_BYTES) -> Iterator[Tuple[StoredTensor, torch.Tensor]]:
         """Every parameter and buffer, full and shaped, in the order of ``deepcompile.json``, read

@@ -136,10 +136,6 @@ class Config(Section):
         """Warnings for accepted settings that have no effect in this combination (rules.NOTICES)."""
         return rules.notices(self)
 
-    def zero3_reduce_dtype(self):
-        """The dtype ZeRO-3 reduces trainable gradients in (and stores their partitions in)."""
-        return runtime_settings.zero3_reduce_dtype(self)
-
     def runtime_config(self) -> Dict[str, Any]:
         """Keyword arguments for :class:`deepcompile.runtime.RuntimeConfig`."""
         return runtime_settings.runtime_config(self)

@@ -26,10 +26,3 @@ def runtime_config(config) -> Dict[str, Any]:
         "sync_after_allgather": c.sync_after_allgather,
     }
     return kwargs
-
-
-def zero3_reduce_dtype(config):
-    """The dtype ZeRO-3 reduces trainable gradients in (and stores their partitions in)."""
-    import torch
-
-    return torch.bfloat16 if config.communication_data_type == "bf16" else torch.float32

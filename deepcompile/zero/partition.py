@@ -9,15 +9,15 @@ passes replace every use by ``dc.allgather_param``; frames Dynamo runs eagerly g
 ``eager_fallback``.
 
 A trainable parameter's shard is stored in fp32: it is the optimizer's master copy and, at the
-same time, the source the runtime all-gathers from, cast to the parameter's dtype on the way
-(``gather_dtype``). There is no second shard in the parameter's dtype to keep in sync. Frozen
+same time, the source the runtime all-gathers from, cast on the way to the gather dtype the
+precision policy names (``PrecisionPolicy.gather_dtype``: the parameter's dtype). There is no second shard in the parameter's dtype to keep in sync. Frozen
 parameters keep their shard in the parameter's dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ class ShardedParam:
     # optimizer's master copy), the parameter's dtype for frozen ones.
     shard: torch.Tensor
     persistent: bool
-    gather_dtype: torch.dtype  # the parameter's dtype: what gathers return
+    gather_dtype: torch.dtype  # what gathers return (the precision policy's; the parameter's dtype)
     # (ppr,) fp32 master weights (trainable params only): a Parameter over the storage of `shard`.
     master: Optional[torch.Tensor] = None
 
@@ -73,6 +73,7 @@ def partition_parameters(
     *,
     device: Optional[torch.device] = None,
     init_fn: Optional[InitFn] = None,
+    gather_dtype: Callable[[torch.Tensor], torch.dtype],
 ) -> Tuple[List[ShardedParam], Materialized]:
     """Shard every parameter of ``module`` (tied parameters once) on ``device`` and install
     placeholders; returns the sharded parameters (ds ids in ``named_parameters`` order) and what
@@ -82,6 +83,9 @@ def partition_parameters(
     values, or left unset) and each is cut to this rank's shard as soon as its value is final, so
     a rank holds its shards plus one module's full parameters at a time: peak memory is
     O(numel / world + the largest module's parameters).
+
+    ``gather_dtype`` (``PrecisionPolicy.gather_dtype``) gives the dtype each parameter's gathers
+    return, asked once its value is final.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if device is None:
@@ -106,7 +110,7 @@ def partition_parameters(
             ppr=shard.numel(),
             shard=shard,
             persistent=numel <= persistence_threshold,
-            gather_dtype=param.dtype,
+            gather_dtype=gather_dtype(param),
         )
         # Frees the full tensor (the module held the only reference).
         param.data = make_placeholder(param.shape, param.dtype, device)

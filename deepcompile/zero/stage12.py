@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from deepcompile import debug_checks, ops, runtime
 from deepcompile.precision.loss_scaler import found_overflow
+from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
@@ -37,11 +38,13 @@ from deepcompile.zero.sharding import (ParamShard, Sharding, fresh_optimizer_sta
 class Zero12Sharding(Sharding):
     masters_offloadable = True  # the master partitions are read by the step only
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
-                 stage: int, device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, precision: PrecisionPolicy,
+                 group: Optional[dist.ProcessGroup], stage: int, device: Optional[torch.device] = None,
+                 init_fn: Optional[InitFn] = None):
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
         self.stage = stage
+        self.precision = precision
         self.allgather_bucket_size = config.zero_optimization.allgather_bucket_size
         self.module = model
         self.group = group
@@ -65,6 +68,13 @@ class Zero12Sharding(Sharding):
             if len(dtypes) > 1:
                 raise ValueError(f"deepcompile.initialize: a param group mixes dtypes {sorted(map(str, dtypes))}; "
                                  "ZeRO-1/2 needs one dtype per group")
+            # The runtime reduces a gradient in the dtype autograd produced it in, the parameter's:
+            # the only reduce dtype the policy may name for ZeRO-1/2 (register_z12_param takes none).
+            wrong = [p for p in params if precision.reduce_dtype(stage, p) != p.dtype]
+            if wrong:
+                raise ValueError(f"deepcompile.initialize: ZeRO-{stage} can only reduce gradients in the parameters' "
+                                 f"dtype, the precision policy asks {precision.reduce_dtype(stage, wrong[0])} for "
+                                 f"{self._names[id(wrong[0])]} ({wrong[0].dtype})")
             ids = list(range(len(self.ds_id_of), len(self.ds_id_of) + len(params)))
             flat = build_group(params, ids, self.rank, self.world)
             for p, ds_id, off in zip(params, ids, flat.offsets):
@@ -144,7 +154,7 @@ class Zero12Sharding(Sharding):
         for g in self.groups:
             if not g.params:
                 continue
-            dtype = g.params[0].dtype
+            dtype = self.precision.gather_dtype(g.params[0])  # one dtype per group (checked at init)
             # gloo cannot gather every half type on every torch version; fp32 is exact.
             comm_dtype = torch.float32 if self.device.type == "cpu" else dtype
             # Between steps the master partition may be in offload's host copy: each all-gather's

@@ -24,16 +24,17 @@ from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_stat
 class Zero3Sharding(Sharding):
     stage = 3
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, group: Optional[dist.ProcessGroup],
-                 device: Optional[torch.device] = None, init_fn: Optional[InitFn] = None,
-                 masters_offloadable: bool = False):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, precision: PrecisionPolicy,
+                 group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None,
+                 init_fn: Optional[InitFn] = None, masters_offloadable: bool = False):
         self.module = model
         self.group = group
         self.rank = dist.get_rank(group)
         self.group = group
         self.params: List[ShardedParam]
         self.params, self.materialized = partition_parameters(
-            model, config.zero_optimization.stage3_param_persistence_threshold, group, device=device, init_fn=init_fn
+            model, config.zero_optimization.stage3_param_persistence_threshold, group, device=device, init_fn=init_fn,
+            gather_dtype=precision.gather_dtype,
         )
         self.device = self.params[0].shard.device if self.params else torch.device(device or "cpu")
         self.unset_params = list(self.materialized.unset_params)
@@ -41,16 +42,15 @@ class Zero3Sharding(Sharding):
         # zero_optimization.sub_group_size: the step updates at most this many master elements at
         # a time (zero/sub_groups.py); DeepSpeed's default when unset.
         self.sub_group_size = config.zero_optimization.sub_group_size or DEFAULT_SUB_GROUP_SIZE
-        # communication_data_type: trainable gradients are reduced in this dtype, and their
-        # partitions are allocated in it (fp32 unless "bf16"; precision/policy.py).
-        reduce_dtype = PrecisionPolicy.from_config(config).zero3_reduce_dtype
+        # The engine's policy (precision/policy.py) names the dtype trainable gradients are reduced
+        # in and their partitions allocated in (communication_data_type: fp32 unless "bf16").
         runtime.register_z3_params(
             [sp.ds_id for sp in self.params],
             [list(sp.shape) for sp in self.params],
             [sp.shard for sp in self.params],
             [None] * len(self.params),  # gradient partitions are allocated per window (optimizer.py)
             [sp.persistent for sp in self.params],
-            [reduce_dtype if sp.trainable else None for sp in self.params],
+            [precision.reduce_dtype(self.stage, sp.param) if sp.trainable else None for sp in self.params],
             gather_dtypes=[sp.gather_dtype for sp in self.params],
         )
         self.ds_id_of: Dict[int, int] = {id(sp.param): sp.ds_id for sp in self.params}
