@@ -21,6 +21,7 @@ from deepcompile import compat, debug_checks, logging_setup, ops, optim_builder,
 from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
+from deepcompile.faults import stop_watching, watch_ranks
 from deepcompile.memory.budget import memory_budget
 from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
@@ -78,6 +79,9 @@ class Engine:
         self.device = training_device(model, device, self.group)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the runtime's streams and communicator use it
+        # From here on every rank watches the others: one that raises, dies or stops answering
+        # makes every rank exit naming it, instead of waiting in a collective (faults/).
+        self.faults = watch_ranks(config.fault_tolerance, self.group, owner=self)
         _check_implemented(config)
         # The dtypes of parameters, masters and reductions, and fp16's loss scaling (precision/).
         self.precision = PrecisionPolicy.from_config(config)
@@ -118,8 +122,6 @@ class Engine:
             accumulation_steps=self.gradient_accumulation_steps,
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
             budget=self.memory_budget,
-            max_live_numel=config.zero_optimization.stage3_max_live_parameters,
-            max_reuse_numel=config.zero_optimization.stage3_max_reuse_distance,
         )
         # The optional features (offloading, the step in the backward, the debug checks, the step
         # report's line and timings), in the order their hooks run (parts.py).
@@ -165,6 +167,7 @@ class Engine:
         for hook in self._at["before_forward"]:
             hook(moment, args, kwargs)
         module = self._compiled if self._compiled is not None else self.module
+        self._watch("forward")
         self._enter(moment, "forward")
         with self._first_runs("forward", self._compiled is not None):
             out = module(*args, **kwargs)
@@ -180,6 +183,7 @@ class Engine:
         self.sharding.start_backward(moment.boundary)
         for hook in self._at["before_backward"]:
             hook(moment, loss, tokens)
+        self._watch("backward")
         self._enter(moment, "backward")
         try:
             with self._first_runs("backward", self._compiled is not None):
@@ -204,6 +208,7 @@ class Engine:
         moment = self._moment(boundary=True)
         for hook in self._at["at_boundary"]:
             hook(moment)
+        self._watch("step")
         self._enter(moment, "step")
         for hook in self._at["before_step"]:
             hook(moment)
@@ -241,6 +246,11 @@ class Engine:
         return Moment(self.global_steps,
                       self.is_gradient_accumulation_boundary() if boundary is None else boundary,
                       self.scheduler.mode, self._compiled)
+
+    def _watch(self, phase: str) -> None:
+        """Tell the fault watchdog what this rank does now: the phase a failure report names."""
+        if self.faults is not None:
+            self.faults.enter(phase, self.global_steps)
 
     def _enter(self, moment: Moment, phase: str) -> None:
         for hook in self._at["enter_phase"]:
@@ -370,6 +380,7 @@ class Engine:
         Format and behaviour: docs/design.md, "Checkpoints"."""
         from deepcompile.checkpoint import dcp_checkpoint
 
+        self._watch("save_checkpoint")
         with progress.long_operation(f"saving checkpoint into {save_dir}", self.rank == 0) as shown:
             path = dcp_checkpoint.save_checkpoint(self.training_state(), save_dir, tag, client_state, save_latest)
             shown["done"] = f"saved checkpoint {path}"
@@ -401,6 +412,7 @@ class Engine:
         Collective."""
         from deepcompile.checkpoint import dcp_checkpoint
 
+        self._watch("load_checkpoint")
         with progress.long_operation(f"loading checkpoint from {load_dir}", self.rank == 0) as shown:
             path, client_state, counters = dcp_checkpoint.load_checkpoint(
                 self.training_state(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
@@ -421,6 +433,7 @@ class Engine:
         self._compiled = None
         self.sharding.close()
         runtime.cleanup()
+        stop_watching(self.faults)
 
 
 def initialize(

@@ -29,6 +29,7 @@ EXPORT_CHECKS = {
     "aot_backend": "test_aot_backend_compiles_both_halves",
     "boxed": "test_boxed_takes_one_argument_list",
     "compiled_output_strides": "test_inductor_compiler_for_later_and_compiled_output_strides",
+    "default_store": "test_default_store_is_the_process_group_s_store",
     "direct_buffers": "test_direct_buffers",
     "direct_parameters": "test_direct_parameters_and_swap_parameter",
     "drop_module_compile": "test_drop_module_compile_runs_the_plain_forward_again",
@@ -186,6 +187,15 @@ def one_rank_group(tmp_path):
     yield
     deepcompile.runtime.cleanup()
     dist.destroy_process_group()
+
+
+def test_default_store_is_the_process_group_s_store(one_rank_group):
+    """The fault watchdog (deepcompile/faults/) keeps its records in the store the group was built with."""
+    store = compat.default_store()
+    assert isinstance(store, dist.Store)
+    store.set("deepcompile/test", "alive")
+    assert store.get("deepcompile/test") == b"alive"
+    assert store.check(["deepcompile/test"]) and not store.check(["deepcompile/absent"])
 
 
 def test_inductor_code_keeps_every_runtime_op(one_rank_group, monkeypatch):

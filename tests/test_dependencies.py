@@ -70,16 +70,19 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "scheduling": ("compat", "config", "memory", "ops", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
                  "zero"),
+    # Liveness of the ranks over the process group's store (faults/): its hooks name no feature.
+    "faults": ("compat",),
     # Checkpoints read and restore a TrainingState value through zero's Sharding interface (and
-    # the saved config's dtypes through the precision policy).
-    "checkpoint": ("precision", "zero"),
+    # the saved config's dtypes through the precision policy); tests kill a rank at named points
+    # of the save (faults/injection.py).
+    "checkpoint": ("precision", "zero", "faults.injection"),
     # The loop's optional features as parts with declared hooks, and the one builder of their
     # ordered list (parts.py): what the engine calls, never the engine itself.
     "parts": ("debug_checks", "memory", "offload", "runtime", "step_report"),
     # The loop: composes everything above.
-    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "logging_setup", "memory", "offload",
-               "ops", "optim_builder", "parts", "passes", "precision", "profiling", "progress", "runtime", "scheduling",
-               "step_report", "zero"),
+    "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "faults", "logging_setup", "memory",
+               "offload", "ops", "optim_builder", "parts", "passes", "precision", "profiling", "progress", "runtime",
+               "scheduling", "step_report", "zero"),
 }
 # Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit
 # above, never one another; ``python -m deepcompile`` runs the command line.

@@ -43,6 +43,7 @@ from deepcompile.checkpoint import layout, rng_state
 from deepcompile.checkpoint.agreement import CheckpointError, agreed
 from deepcompile.checkpoint.flat_planners import FlatRange, FlatRangeLoadPlanner, FlatRangeSavePlanner
 from deepcompile.checkpoint.training_state import StepCounters, TrainingState
+from deepcompile.faults.injection import kill_point
 from deepcompile.zero.param_shard import ParamShard
 
 MODEL = "model/"
@@ -219,21 +220,25 @@ def save_checkpoint(state: TrainingState, save_dir: Any, tag: Any = None, client
     committed = False
     try:
         agreed("save_checkpoint", see_tmp, group)
+        kill_point("save:before_write", rank)  # tests: what survives a rank killed at each point
 
         def write():
             dcp.save(objects, storage_writer=_writer(tmp), planner=FlatRangeSavePlanner(ranges),
                      process_group=group)
+            kill_point("save:after_write", rank)
             if rank == 0:
                 layout.write_json(os.path.join(tmp, layout.META_FILE), meta)
 
         agreed(f"save_checkpoint: writing {tag!r} (nothing was committed; what was in {save_dir!r} is unchanged)",
                write, group)
+        kill_point("save:before_commit", rank)
         agreed(f"save_checkpoint: committing {tag!r}", lambda: rank == 0 and layout.commit(tmp, final), group)
         committed = True
     finally:
         if not committed and rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     if save_latest:
+        kill_point("save:before_latest", rank)
         agreed(f"save_checkpoint: {tag!r} was saved, but updating {layout.LATEST!r} failed",
                lambda: rank == 0 and layout.write_latest(save_dir, tag, nonce[0]), group)
     return final

@@ -7,8 +7,10 @@ A save writes into ``<dir>/<tag>.tmp-<nonce>`` and is committed last, by rank 0,
 a save cut off before that (a rank died, the job was killed) leaves only the ``.tmp-`` directory,
 which loading never takes for a checkpoint, and the checkpoint that was there before, and
 ``latest``, are untouched. Re-saving an existing tag swaps the directories (the old one is
-renamed aside first and removed only once the new one is in place). ``latest`` is replaced
-atomically (written aside, then ``os.replace``).
+renamed aside to ``<tag>.replaced-<nonce>`` first and removed only once the new one is in place);
+a save killed between the two renames leaves no ``<tag>``, and loading ``<tag>`` then takes the
+copy renamed aside, which is complete. ``latest`` is replaced atomically (written aside, then
+``os.replace``). The next commit of a tag removes what cut-off saves of it left.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 from typing import Any, Dict, List
 
 from deepcompile.checkpoint.agreement import CheckpointError
+from deepcompile.faults.injection import kill_point
 
 LATEST = "latest"
 META_FILE = "deepcompile.json"
@@ -69,6 +72,7 @@ def commit(tmp: str, final: str) -> None:
     if os.path.lexists(final):
         aside = f"{final}{ASIDE_MARK}{os.path.basename(tmp).rsplit(TMP_MARK, 1)[1]}"
         os.rename(final, aside)
+        kill_point("save:commit_aside")  # tests: no <tag> now, only its copy aside (see resolve)
     try:
         os.rename(tmp, final)
     except BaseException:
@@ -76,8 +80,11 @@ def commit(tmp: str, final: str) -> None:
             os.rename(aside, final)
         raise
     _fsync_dir(os.path.dirname(final))
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    # The copy aside, and what earlier saves of this tag left when they were cut off.
+    parent, tag = os.path.split(final)
+    for name in os.listdir(parent):
+        if name.startswith(tag + ASIDE_MARK) or name.startswith(tag + TMP_MARK):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def write_latest(save_dir: str, tag: str, nonce: str) -> None:
@@ -86,6 +93,7 @@ def write_latest(save_dir: str, tag: str, nonce: str) -> None:
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())
+    kill_point("save:latest_staged")
     os.replace(staged, os.path.join(save_dir, LATEST))
     _fsync_dir(save_dir)
 
@@ -101,6 +109,14 @@ def _cut_off(names: List[str], tag: str = "") -> List[str]:
 def _complete_tags(load_dir: str, names: List[str]) -> List[str]:
     return [n for n in names if TMP_MARK not in n and ASIDE_MARK not in n
             and os.path.isfile(os.path.join(load_dir, n, META_FILE))]
+
+
+def _renamed_aside(load_dir: str, names: List[str], tag: str) -> List[str]:
+    """Complete copies of ``tag`` that a re-save renamed aside, newest first: what is left of
+    ``tag`` when that save was killed between its two renames."""
+    found = [os.path.join(load_dir, n) for n in names if n.startswith(tag + ASIDE_MARK)]
+    found = [p for p in found if all(os.path.isfile(os.path.join(p, f)) for f in (META_FILE, DCP_METADATA))]
+    return sorted(found, key=os.path.getmtime, reverse=True)
 
 
 def resolve(load_dir: str, tag: Any) -> str:
@@ -134,6 +150,8 @@ def resolve(load_dir: str, tag: Any) -> str:
         tag = str(tag)
     check_tag(tag)
     path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path) and _renamed_aside(load_dir, names, tag):
+        path = _renamed_aside(load_dir, names, tag)[0]
     if not os.path.isdir(path):
         partial = _cut_off(names, tag + TMP_MARK)
         if partial:

@@ -12,7 +12,8 @@ one, so a torch upgrade that moves something fails there, in a test named after 
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
 * ``modules``: a module's own parameters and buffers; swapping a registered parameter for a gathered tensor;
 * ``tensors``: multi-tensor (foreach) kernels, storage identity;
-* ``streams``: wrapping a stream the C++ runtime created as a torch stream object.
+* ``streams``: wrapping a stream the C++ runtime created as a torch stream object;
+* ``distributed``: the key-value store of the default process group.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from deepcompile.compat.aot import (
     save_forward_input_for_backward,
     saved_forward_inputs,
 )
+from deepcompile.compat.distributed import default_store
 from deepcompile.compat.dynamo import (
     never_compile_as_frame,
     register_backend,
@@ -85,6 +87,7 @@ __all__ = [
     "aot_backend",
     "boxed",
     "compiled_output_strides",
+    "default_store",
     "direct_buffers",
     "direct_parameters",
     "eager_input_vals",

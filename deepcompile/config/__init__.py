@@ -24,7 +24,7 @@ Compatibility policy
 The package is data: importing it loads neither torch nor the C++ extension.
 
 Modules: ``errors`` / ``validators`` / ``schema`` (the machinery), one module per area
-(``zero``, ``compile_section``, ``precision``, ``optim``, ``deepspeed_sections``, ``root``),
+(``zero``, ``compile_section``, ``precision``, ``optim``, ``deepspeed_sections``, ``faults``, ``root``),
 ``inert`` (the keys without effect, with their reasons), ``rules`` (every rule across features),
 ``batch`` and ``auto`` (``"auto"`` resolution: the only part that looks at the model),
 ``runtime_settings`` (what the C++ runtime takes).
@@ -34,6 +34,7 @@ from deepcompile.config.compile_section import PASS_NAMES, CompileConfig
 from deepcompile.config.deepspeed_sections import (ActivationCheckpointingConfig, CsvMonitorConfig, HybridEngineConfig,
                                                    TensorboardConfig, WandbConfig)
 from deepcompile.config.errors import AUTO, ConfigError
+from deepcompile.config.faults import FaultToleranceConfig
 from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig
 from deepcompile.config.precision import Bf16Config, Fp16Config
 from deepcompile.config.root import Config
@@ -56,6 +57,7 @@ __all__ = [
     "CsvMonitorConfig",
     "WandbConfig",
     "HybridEngineConfig",
+    "FaultToleranceConfig",
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",
     "PASS_NAMES",

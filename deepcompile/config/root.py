@@ -13,6 +13,7 @@ from deepcompile.config.batch import complete_batch_sizes
 from deepcompile.config.compile_section import CompileConfig
 from deepcompile.config.deepspeed_sections import (ActivationCheckpointingConfig, CsvMonitorConfig, HybridEngineConfig,
                                                    TensorboardConfig, WandbConfig)
+from deepcompile.config.faults import FaultToleranceConfig
 from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig, HF_FILLS
 from deepcompile.config.precision import Bf16Config, Fp16Config, communication_data_type
 from deepcompile.config.schema import Section, fixed_key, key, no_effect_key, section
@@ -79,6 +80,9 @@ class Config(Section):
     wandb: WandbConfig = key(section(WandbConfig), factory=WandbConfig, doc="Only disabled.")
     hybrid_engine: HybridEngineConfig = key(section(HybridEngineConfig), factory=HybridEngineConfig,
                                             doc="Only disabled.")
+    fault_tolerance: FaultToleranceConfig = key(
+        section(FaultToleranceConfig), factory=FaultToleranceConfig,
+        doc="What every rank does when another fails (deepcompile's section, not DeepSpeed's; docs/faults.md).")
     monitor_config: Optional[dict] = no_effect_key("monitor_config", optional(any_object), None)
     comms_config: Optional[dict] = no_effect_key("comms_config", optional(any_object), None)
 
@@ -144,7 +148,7 @@ class Config(Section):
 _SECTIONS = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": Bf16Config, "fp16": Fp16Config,
              "activation_checkpointing": ActivationCheckpointingConfig, "tensorboard": TensorboardConfig,
              "csv_monitor": CsvMonitorConfig, "wandb": WandbConfig, "hybrid_engine": HybridEngineConfig,
-             "optimizer": OptimizerConfig, "scheduler": SchedulerConfig}
+             "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "fault_tolerance": FaultToleranceConfig}
 
 
 def accepted_keys() -> List[str]:

@@ -1,0 +1,312 @@
+"""The fault watchdog: every rank beats, watches a few peers, and exits when one has failed.
+
+One thread per rank publishes this rank's record (``status.RankStatus``) in the process group's
+store at every phase change and at least every ``interval`` seconds, and reads its peers'
+records: the next ranks of the ring, and rank 0 (which serves the store in a plain ``env://``
+launch). When it finds a peer that failed, died or fell silent for ``timeout_s``, it writes the
+cause under one alarm key (the first cause written wins, so every rank reports the same root
+cause), and every rank that reads the alarm exits with :data:`PEER_FAILED_EXIT_CODE` after one
+line on stderr. ``os._exit`` is the only way out that works while the main thread waits inside
+a collective that cannot complete. A second thread, which never touches the store, makes the
+same exit when the store itself stops answering.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from typing import Callable, List, Optional
+
+from deepcompile.faults import injection
+from deepcompile.faults.status import ABORTED, ALIVE, DONE, FAILED, PeerJudge, RankStatus, machine_id
+
+# sysexits' EX_TEMPFAIL: this rank did nothing wrong, a restart may well succeed.
+PEER_FAILED_EXIT_CODE = 75
+KEY_ROOT = "deepcompile/faults/"
+RING_NEIGHBOURS = 4  # each rank watches the next four ranks of the ring, and rank 0
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """A tenth of the timeout, between 0.1 and 5 s: a beat lost to a busy host now and then is
+    far from a timeout, and a large world does not flood the store."""
+    return min(5.0, max(0.1, timeout_s / 10.0))
+
+
+def watched_ranks(rank: int, world_size: int) -> List[int]:
+    ring = [(rank + i) % world_size for i in range(1, min(world_size - 1, RING_NEIGHBOURS) + 1)]
+    return sorted(set(ring) | ({0} if rank != 0 else set()))
+
+
+def first_line(error: BaseException, limit: int = 400) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
+class FaultWatchdog:
+    """This rank's heartbeat and its watch over peers. ``enter(phase, step)`` records what the
+    rank is doing; ``stop()`` publishes that it finished normally. ``store`` should be a
+    connection of its own (``Store.clone()``), so that a hung store call never holds the one the
+    process group uses."""
+
+    def __init__(self, store, run_id: str, rank: int, world_size: int, timeout_s: float,
+                 exit_process: Callable[[int], None] = os._exit, stderr=None):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.interval = heartbeat_interval(self.timeout_s)
+        self.phase, self.step = "initialize", 0
+        self._store = store
+        self._prefix = f"{KEY_ROOT}{run_id}/"
+        self._alarm_key = self._prefix + "alarm"
+        self._exit_process = exit_process
+        self._stderr = stderr
+        self._machine = machine_id()
+        self._judge = PeerJudge(self.timeout_s, time.monotonic(), self._machine)
+        self._watched = watched_ranks(rank, world_size)
+        self._state, self._error, self._beat = ALIVE, "", 0
+        self._publish_lock = threading.Lock()
+        self._abort_lock = threading.Lock()
+        self._aborting = False
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._last_contact = time.monotonic()
+        self._last_look = 0.0
+        self._store_failing_since: Optional[float] = None
+        self._threads = [threading.Thread(target=self._monitor, name=f"deepcompile-faults-r{rank}", daemon=True),
+                         threading.Thread(target=self._deadline, name=f"deepcompile-faults-deadline-r{rank}",
+                                          daemon=True)]
+
+    # ---- the engine's side
+
+    def start(self) -> "FaultWatchdog":
+        self._publish()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def enter(self, phase: str, step: int) -> None:
+        """The rank now does ``phase`` (forward, backward, step, save_checkpoint, ...) of step
+        ``step`` (the engine's global_steps). Published by the monitor thread, not here."""
+        self.phase, self.step = phase, step
+        self._wake.set()
+        injection.kill_point(f"{phase}:{step}", self.rank, before=self._publish)
+
+    def stop(self) -> None:
+        """This rank finished normally: publish it (peers stop watching it) and end the threads.
+        A rank that failed keeps its failure."""
+        if self._stopped.is_set():
+            return
+        if self._state == ALIVE:
+            self._state = DONE
+            # The store may be gone or hung at exit; peers then see the process end instead.
+            _bounded(self._publish, self.interval + 1.0)
+        self._stopped.set()
+        self._wake.set()
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=1.0)  # they wake at once, unless inside a store call that hangs
+
+    @property
+    def running(self) -> bool:
+        return not self._stopped.is_set()
+
+    # ---- an uncaught exception on this rank (process_hooks.py)
+
+    def on_uncaught(self, error: BaseException, symptom: bool) -> None:
+        """This rank's main thread is dying of ``error``. A communication error is usually the
+        echo of another rank's failure: give the watchdog up to the timeout to name that rank
+        (it exits the process when it does). Otherwise, or if nothing turns up, publish this
+        rank's own failure for the others to report."""
+        if not self.running:
+            return
+        if symptom:
+            self._say(f"rank {self.rank} got a communication error during {self._doing()} ({first_line(error, 200)}); "
+                      f"waiting up to {self.timeout_s:g} s for the fault watchdog to find which rank failed")
+            deadline = time.monotonic() + self.timeout_s + 2 * self.interval
+            while time.monotonic() < deadline and self.running:
+                time.sleep(min(0.1, self.interval))
+        if not self.running or self._aborting:
+            return
+        self._state, self._error = FAILED, first_line(error)
+        # Where the store is gone, peers see the process end instead.
+        _bounded(lambda: (self._publish(), self._raise_alarm(self._failure_cause())), self.interval + 1.0)
+
+    def linger(self) -> None:
+        """Stay a moment after publishing a failure, so that peers read it before this process,
+        which may serve the store, disappears."""
+        if self._state == FAILED:
+            time.sleep(self.interval + 0.5)
+
+    # ---- the threads
+
+    def _monitor(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                self._publish()
+                cause = None
+                if time.monotonic() - self._last_look >= self.interval * 0.5:
+                    cause = self._look()
+                    self._last_look = time.monotonic()
+                self._last_contact = time.monotonic()
+                self._store_failing_since = None
+            except Exception as e:  # noqa: BLE001  (the store did not answer)
+                cause = self._store_trouble(e)
+            if cause is not None and not self._stopped.is_set():
+                self._abort(cause)
+
+    def _deadline(self) -> None:
+        """A store call that hangs instead of failing would silence the monitor: exit anyway."""
+        while not self._stopped.wait(self.interval):
+            silent = time.monotonic() - self._last_contact
+            if silent > self.timeout_s + 2 * self.interval and not self._stopped.is_set():
+                cause = self._known_cause() or (f"the process group's store has not answered for {silent:.1f} s, "
+                                                f"{self._store_host_hint()}")
+                self._abort(cause)
+
+    # ---- store records
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def _record(self) -> RankStatus:
+        return RankStatus(state=self._state, phase=self.phase, step=self.step, beat=self._beat, pid=os.getpid(),
+                          machine=self._machine, error=self._error)
+
+    def _publish(self) -> None:
+        with self._publish_lock:
+            self._beat += 1
+            self._store.set(self._key(self.rank), self._record().encode())
+
+    def _read(self, rank: int) -> Optional[RankStatus]:
+        key = self._key(rank)
+        if not self._store.check([key]):
+            return None
+        return RankStatus.decode(self._store.get(key))
+
+    def _look(self) -> Optional[str]:
+        """The cause to exit for, from the alarm or from the watched peers' records; None: all well."""
+        if self._state != ALIVE:
+            return None  # this rank failed itself: it leaves through its own exception
+        if self._store.check([self._alarm_key]):
+            return self._store.get(self._alarm_key).decode()
+        for rank in self._watched:
+            if self._judge.observe(rank, self._read(rank), time.monotonic()) is None:
+                continue
+            # Confirm with a fresh reading: a rank that finished (or failed) just before its process
+            # ended says so itself.
+            cause = self._judge.observe(rank, self._read(rank), time.monotonic())
+            if cause is not None:
+                return self._raise_alarm(cause)
+        return None
+
+    def _raise_alarm(self, cause: str) -> str:
+        """Write ``cause`` under the alarm key unless a cause is there already; returns the one there."""
+        held = self._store.compare_set(self._alarm_key, "", cause)
+        held = held.decode() if isinstance(held, (bytes, bytearray)) else str(held)
+        return held or cause
+
+    def _failure_cause(self) -> str:
+        return f"rank {self.rank} failed during {self._doing()}: {self._error}"
+
+    def _doing(self) -> str:
+        return f"{self.phase} of step {self.step}"
+
+    # ---- the store fails
+
+    def _known_cause(self) -> Optional[str]:
+        """What the last readings and this machine's process table tell without the store."""
+        for rank in self._watched:
+            last = self._judge.last(rank)
+            if last is None:
+                continue
+            if last.state in (FAILED, ABORTED):
+                return self._judge.observe(rank, last, time.monotonic())
+            if self._judge.gone(rank):
+                return (f"rank {rank} died during {last.doing()}: its process (pid {last.pid}) is gone without a "
+                        "Python error (killed, or crashed in native code)")
+        return None
+
+    def _store_host_hint(self) -> str:
+        last = self._judge.last(0)
+        where = f"; rank 0 was last seen in {last.doing()}" if last is not None and self.rank != 0 else ""
+        return f"so whoever serves it (rank 0's process in an env:// launch, else the launcher) is probably gone{where}"
+
+    def _store_trouble(self, error: BaseException) -> Optional[str]:
+        now = time.monotonic()
+        if self._store_failing_since is None:
+            self._store_failing_since = now
+        if any((s := self._judge.last(r)) is not None and s.state == DONE for r in self._watched):
+            # The job is ending: a rank that finished took the store down with it. Nothing to watch.
+            self._stopped.set()
+            return None
+        cause = self._known_cause()
+        if cause is not None:
+            return cause
+        if now - self._store_failing_since > self.timeout_s:
+            return (f"the process group's store has failed for {now - self._store_failing_since:.1f} s "
+                    f"({first_line(error, 200)}), {self._store_host_hint()}")
+        return None
+
+    # ---- leaving
+
+    def _say(self, line: str) -> None:
+        stream = self._stderr or sys.stderr
+        try:
+            stream.write(f"deepcompile: {line}\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _abort(self, cause: str) -> None:
+        with self._abort_lock:
+            if self._aborting or self._state != ALIVE:
+                return
+            self._aborting = True
+        doing = self._doing()
+        self._state, self._error = ABORTED, cause
+        # The store may be what failed: do not wait for it.
+        _bounded(lambda: (self._publish(), self._raise_alarm(cause)), self.interval + 1.0)
+        self._say(f"{cause}. Rank {self.rank} (in {doing}) exits with code {PEER_FAILED_EXIT_CODE} rather than wait "
+                  "for it in a collective that cannot complete.")
+        # Peers poll every interval: stay that long, so that they read the alarm from a store this
+        # process may be serving.
+        time.sleep(self.interval + 0.5)
+        self._stopped.set()
+        self._exit_process(PEER_FAILED_EXIT_CODE)
+
+
+def _bounded(action: Callable[[], object], limit_s: float) -> bool:
+    """Run ``action`` (store calls) for at most ``limit_s`` seconds, in a thread of its own: a
+    store whose server is frozen can block a call without end, and the exit must not wait for it.
+    Errors are swallowed (the store may be what failed). Whether it finished."""
+
+    def run():
+        try:
+            action()
+        except Exception:  # noqa: BLE001
+            pass
+
+    worker = threading.Thread(target=run, name="deepcompile-faults-store", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    return not worker.is_alive()
+
+
+def store_connection(store, timeout_s: float):
+    """A connection of the watchdog's own to ``store`` where the store can make one (TCPStore),
+    with calls that give up after ``timeout_s``; else ``store`` itself."""
+    try:
+        own = store.clone()
+    except Exception:  # noqa: BLE001  (FileStore, HashStore: no second connection; share it)
+        return store
+    try:
+        own.set_timeout(datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001
+        pass
+    return own
