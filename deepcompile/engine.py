@@ -122,6 +122,8 @@ class Engine:
             accumulation_steps=self.gradient_accumulation_steps,
             resident_ids=self.sharding.persistent_ids(), param_names=self.sharding.param_names(),
             budget=self.memory_budget,
+            max_live_numel=config.zero_optimization.stage3_max_live_parameters,
+            max_reuse_numel=config.zero_optimization.stage3_max_reuse_distance,
         )
         # The optional features (offloading, the step in the backward, the debug checks, the step
         # report's line and timings), in the order their hooks run (parts.py).

@@ -276,8 +276,9 @@ def test_instance_chain_launches_only_what_fits_the_budget(monkeypatch):
         chain.note("forward", instance)
     chain.stop_recording()
     chain.build(None, torch.device("cpu"))
-    gather = SimpleNamespace(ds_id=7, dtype=torch.bfloat16)
-    plan = SimpleNamespace(groups=[SimpleNamespace(gathers=[gather], nbytes=300)], predicted_peak_bytes=1000)
+    gather = SimpleNamespace(ds_id=7, dtype=torch.bfloat16, numel=150)
+    plan = SimpleNamespace(groups=[SimpleNamespace(gathers=[gather], nbytes=300)], predicted_peak_bytes=1000,
+                           resident=frozenset(), peak_live_numel=50)
     chain.set_head("forward", 2, plan)
     chain.budget_bytes = 1300  # 1000 + 300: fits exactly
     chain.launch_after("forward", 2, 2)
@@ -292,6 +293,17 @@ def test_instance_chain_launches_only_what_fits_the_budget(monkeypatch):
     chain.launch_after("forward", 2, 2)
     assert len(launched) == 2
     chain.budget_bytes = 10**9
-    chain.set_head("forward", 2, SimpleNamespace(groups=plan.groups, predicted_peak_bytes=None))
+    chain.set_head("forward", 2, SimpleNamespace(groups=plan.groups, predicted_peak_bytes=None,
+                                                 resident=frozenset(), peak_live_numel=50))
     chain.launch_after("forward", 2, 2)
     assert len(launched) == 2 and chain.held_back == 2
+    # stage3_max_live_parameters: the 50 elements the current plan holds plus the group's 150.
+    chain.budget_bytes = None
+    chain.max_live_numel = 199
+    chain.set_head("forward", 2, plan)
+    chain.launch_after("forward", 2, 2)
+    assert len(launched) == 2 and chain.held_back == 3
+    chain.max_live_numel = 200
+    chain.set_head("forward", 2, plan)
+    chain.launch_after("forward", 2, 2)
+    assert len(launched) == 3

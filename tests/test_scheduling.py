@@ -20,7 +20,7 @@ from deepcompile.passes.prefetch import apply_prefetch
 from deepcompile.passes.zero3 import insert_gather_release
 from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile, NodeProfile
-from deepcompile.scheduling.planner import graph_gathers, plan_persistent, plan_prefetch
+from deepcompile.scheduling.planner import graph_gathers, plan_persistent, plan_prefetch, reuse_distances
 from deepcompile.scheduling.schedule import PassSchedule, ScheduleEntry
 from _harness.multiproc import require_world_size, run_distributed, single_world_size
 from _harness.parity_cases import GLOBAL_BATCH, assert_parity, train_engine, train_reference
@@ -203,6 +203,73 @@ def test_persistent_plan_ranks_by_time_per_byte_and_respects_the_budget():
     assert empty.ids == [] and "incomplete" in empty.skipped_reason
 
 
+def _ahead(plan):
+    return [(g.ahead, g.launch_before) for g in plan.groups]
+
+
+def test_prefetch_keeps_to_max_live_parameters():
+    # DeepSpeed's stage3_max_live_parameters: the elements held beyond the op in flight (the
+    # group launched ahead plus those kept gathered) stay within the limit.
+    gm = _three_layer_graph()
+    assert [g.numel for g in graph_gathers(gm)] == [15, 25, 10]
+    peak = 1000
+
+    def plan(**limits):
+        return plan_prefetch(gm, 1, profile=_flat_profile(gm, peak), comm=BANDWIDTH_BOUND, budget_bytes=1 << 30,
+                             **limits)
+
+    free = plan()
+    assert [g.ahead for g in free.groups] == [True, True, True] and free.peak_live_numel == 25
+    capped = plan(max_live_numel=24)  # below the unconstrained plan's 25: w2 is gathered at its use
+    assert [g.ahead for g in capped.groups] == [True, False, True]
+    assert capped.peak_live_numel == 15 <= 24
+    # Kept-gathered elements count too: 10 kept leave room for w3 (10) only.
+    kept = plan(max_live_numel=24, kept_numel=10)
+    assert [g.ahead for g in kept.groups] == [False, False, True] and kept.peak_live_numel == 20
+    # A limit at or above the unconstrained peak changes nothing.
+    for roomy in (25, 10**9):
+        same = plan(max_live_numel=roomy)
+        assert _ahead(same) == _ahead(free) and same.predicted_peak_bytes == free.predicted_peak_bytes
+    # The static plan (no profile) keeps to it as well.
+    static = plan_prefetch(gm, 1, max_live_numel=12)
+    assert [g.ahead for g in static.groups] == [False, False, True]
+    apply_prefetch(gm, 3, capped)
+    _no_use_before_wait(gm)
+
+
+def test_reuse_distance_counts_the_elements_gathered_in_between():
+    gathers = graph_gathers(_three_layer_graph())  # w1 15, w2 25, w3 10 elements
+    # forward then backward: w1 w2 w3 | w1 w2 w3
+    assert reuse_distances([gathers, gathers], 1) == {0: 35, 1: 25, 2: 40}
+    # One graph, used once per micro-step: only accumulation reuses it (after the others' 35, 25, 40).
+    assert reuse_distances([gathers], 1) == {}
+    assert reuse_distances([gathers], 2) == {0: 35, 1: 25, 2: 40}
+    # A parameter never released adds nothing between the others' uses.
+    assert reuse_distances([gathers, gathers], 1, skip=[1]) == {0: 10, 2: 15}
+
+
+def test_persistent_plan_keeps_to_the_live_and_reuse_limits():
+    gm = _three_layer_graph()
+    gathers = graph_gathers(gm)
+    prof = _flat_profile(gm, 1000)
+
+    def plan(**limits):
+        return plan_persistent([gathers, gathers], [prof], LATENCY_BOUND, None, 1, **limits)
+
+    free = plan()
+    assert free.ids == [2, 1, 0] and free.peak_live_numel == 50
+    # stage3_max_reuse_distance: w3 is reused 40 elements later, w1 35, w2 25.
+    assert plan(max_reuse_numel=35).ids == [1, 0]
+    below = plan(max_reuse_numel=34)
+    assert below.ids == [1] and below.beyond_reuse == 2 and below.chosen[0].reuse_numel == 25
+    assert "reuse distance" in plan(max_reuse_numel=24).skipped_reason
+    # stage3_max_live_parameters: 5 elements prefetched ahead + w3 (10) + w1 (15) = 30; w2 (25) does not fit.
+    live = plan(max_live_numel=30, prefetch_extra_numel=5)
+    assert live.ids == [2, 0] and live.peak_live_numel == 30
+    # Limits at or above the unconstrained plan's change nothing.
+    assert plan(max_live_numel=50, max_reuse_numel=40).ids == free.ids
+
+
 def test_comm_model_interpolates_and_extrapolates():
     m = CommModel([(1024, 1.0), (2048, 2.0), (4096, 3.0)])
     assert m.predict_ms(0) == 0.0
@@ -298,6 +365,28 @@ def _predicted_vs_measured_body(ctx):
 
 def test_selective_gather_prediction_bounds_the_measured_peak():
     run_distributed(_predicted_vs_measured_body, world_size=single_world_size())
+
+
+def _max_live_body(ctx):
+    # The MLP's partitioned parameters: fc1.weight 91 elements, fc1.bias 13, fc2.weight 65 (fc2.bias
+    # is below the persistence threshold). A limit of 80 leaves fc1.weight gathered at its use only.
+    cfg = _z3(warmup_steps=1)
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 80
+    report, persistent = _train_with_passes(ctx, "mlp", "eager", 4, cfg, tol=FP32_TOL)
+    live = report["live_parameters"]
+    assert live["max_live_parameters"] == 80 and 0 < live["planned_peak_numel"] <= 80, live
+    assert sum(p["numel"] for p in report["persistent"]) <= 80
+    assert all(g["live_numel"] is not None and g["live_numel"] <= 80 for g in report["graphs"])
+    assert not any(p["param"].endswith("fc1.weight") for p in report["persistent"])
+    groups = [grp for g in report["graphs"] for grp in g["prefetch"] or []]
+    assert groups, "nothing was planned"
+    for grp in groups:
+        if any(name.endswith("fc1.weight") for name in grp["params"]):
+            assert not grp["ahead"], grp
+
+
+def test_max_live_parameters_bounds_the_plan():
+    run_distributed(_max_live_body, world_size=single_world_size())
 
 
 def _resume_body(ctx):

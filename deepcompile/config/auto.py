@@ -29,16 +29,6 @@ _DERIVED_BUCKETS = {"reduce_bucket_size": lambda h: h * h,
                     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                     "stage3_param_persistence_threshold": lambda h: 10 * h}
 
-_BINDING = {
-    "stage3_max_live_parameters": "what stays gathered is planned under compile.memory_budget_bytes / "
-                                  "memory_budget_fraction, not by a parameter count; remove the key (or set 0: no "
-                                  "prefetching) and set a memory budget",
-    "stage3_max_reuse_distance": "which released parameters stay gathered is planned under "
-                                 "compile.memory_budget_bytes / memory_budget_fraction (selective_gather), not by a "
-                                 "reuse distance; remove the key (or set 0: nothing kept gathered) and set a memory "
-                                 "budget",
-}
-
 
 def resolve(config, world_size: int, model: Any = None):
     """``config`` with every ``"auto"`` it can derive filled in, checked against the model.
@@ -70,7 +60,6 @@ def resolve(config, world_size: int, model: Any = None):
     zero_changes = _derived_buckets(z, _hidden_size(model))
     if zero_changes:
         changes["zero_optimization"] = z = dataclasses.replace(z, **zero_changes)
-    problems.extend(_binding_limits(z, model))
 
     resolved = dataclasses.replace(config, **changes) if changes else config
     facts = rules.Facts(gradient_accumulation_steps=changes.get("gradient_accumulation_steps") or 1,
@@ -89,21 +78,6 @@ def _derived_buckets(z, hidden: Optional[int]) -> Dict[str, int]:
             useful = z.stage == 3 or name == "reduce_bucket_size"
             out[name] = rule(hidden) if hidden is not None and useful else defaults[name]
     return out
-
-
-def _binding_limits(z, model: Any) -> List[Tuple[str, str]]:
-    """The ZeRO-3 limits deepcompile accepts only where they cannot bind (or as 0)."""
-    if model is None or z.stage != 3:  # stage-3 keys are inert under ZeRO-1/2
-        return []
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    problems = []
-    for name in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
-        value = getattr(z, name)
-        if value is not None and 0 < value < total:
-            dotted = f"zero_optimization.{name}"
-            problems.append((dotted, f"{dotted}={value} would bind for this model ({total} parameters), and "
-                                     f"deepcompile does not implement it: {_BINDING[name]}"))
-    return problems
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -104,10 +104,8 @@ def _offload_optimizer(value: Any, dotted: str) -> Optional[OffloadOptimizer]:
 
 # ---- the section
 
-_LIMIT = ("accepted when it cannot bind for the model (at least the model's parameter count) and as 0, which {zero}; "
-          "deepcompile decides what stays gathered with its profile-guided planner under "
-          "compile.memory_budget_bytes / memory_budget_fraction, not by a parameter count, so another binding value "
-          "is refused at initialize")
+_LIMIT = ("{what}, in parameter elements, as DeepSpeed counts them; the schedule planner keeps to it alongside "
+          "the memory budget (scheduling/planner.py). 0 {zero}; null: no limit")
 _HIDDEN = " \"auto\": {}, where hidden_size is model.config.hidden_size (else this key's default)."
 # DeepSpeed's names: its fields are the unprefixed ones, the stage3_ names their aliases (and
 # stage3_gather_fp16_weights_on_model_save a deprecated spelling). The fields here keep the
@@ -156,10 +154,13 @@ class ZeroConfig(Section):
         auto="int(0.9 * hidden_size ** 2)")
     stage3_max_live_parameters: Optional[int] = key(
         optional(integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2), alias max_live_parameters: "
-        + _LIMIT.format(zero="turns prefetching off (DeepSpeed prefetches nothing then)") + ".")
+        + _LIMIT.format(what="the most elements held gathered beyond what the op in flight needs (prefetched ahead plus "
+                       "kept gathered)", zero="turns prefetching off (DeepSpeed prefetches nothing then)") + ".")
     stage3_max_reuse_distance: Optional[int] = key(
         optional(integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2), alias max_reuse_distance: "
-        + _LIMIT.format(zero="turns selective gathering off (DeepSpeed keeps no released parameter then)") + ".")
+        + _LIMIT.format(what="a parameter is kept gathered only if the other gathers bring in at most this many "
+                       "elements between two of its uses",
+                       zero="turns selective gathering off (DeepSpeed keeps no released parameter then)") + ".")
     stage3_gather_16bit_weights_on_model_save: Any = no_effect_key(
         "zero_optimization.stage3_gather_16bit_weights_on_model_save", boolean, False,
         auto="kept: the key has no effect either way")

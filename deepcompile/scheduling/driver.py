@@ -70,13 +70,16 @@ class ScheduleDriver:
     ``accumulation_steps``: micro-steps per optimizer step; ``resident_ids``: parameters kept
     gathered from the start (the persistence threshold); ``param_names``: ds id -> name, for the
     report; ``budget``: the engine's memory budget (``deepcompile/memory/budget.py``), which the
-    plans keep to; without one the driver agrees it over ``group`` when it first plans.
+    plans keep to; without one the driver agrees it over ``group`` when it first plans;
+    ``max_live_numel`` / ``max_reuse_numel``: DeepSpeed's ``stage3_max_live_parameters`` /
+    ``stage3_max_reuse_distance`` (None: no limit), which the plans keep to as well.
     """
 
     def __init__(self, compile_config: Any, schedule: PassSchedule, *, prefetch_bucket_numel: int, stage: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, rank: int, accumulation_steps: int,
                  resident_ids: Sequence[int] = (), param_names: Optional[Dict[int, str]] = None,
-                 budget: Optional[MemoryBudget] = None):
+                 budget: Optional[MemoryBudget] = None, max_live_numel: Optional[int] = None,
+                 max_reuse_numel: Optional[int] = None):
         self.compile_config = compile_config
         self.schedule = schedule
         self.stage = stage
@@ -90,6 +93,8 @@ class ScheduleDriver:
         self.chosen_persistent: List[int] = []
         self.comm: Optional[CommModel] = None
         self._budget: Optional[MemoryBudget] = budget
+        self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         # Profiles of the graphs as they ran in the last profiled micro-step, by graph signature.
         self.profiles: Dict[Tuple, GraphProfile] = {}
         self.graphs: Dict[Tuple, GraphModule] = {}
@@ -140,6 +145,7 @@ class ScheduleDriver:
         return planner.plan_prefetch(
             gm, self.max_group_numel, resident=self._persistent_ids(), profile=profile,
             comm=self.comm, budget_bytes=self.budget_bytes() if profile is not None else None,
+            max_live_numel=self.max_live_numel, kept_numel=self._kept_numel(),
         )
 
     def note_graph(self, signature: Tuple, gm: GraphModule) -> None:
@@ -233,6 +239,7 @@ class ScheduleDriver:
         if "prefetch" in entry.passes:
             self.chain.build(self.group, self.device)  # collective, like the budget below
             self.chain.budget_bytes = self.budget_bytes()
+            self.chain.max_live_numel = self.max_live_numel
         else:
             self.chain.clear()
         if entry.passes and self.comm is None:
@@ -247,7 +254,8 @@ class ScheduleDriver:
             persistent_plan = planner.plan_persistent(
                 [self.gathers[s] for s in self.gathers if s in self.profiles], profiles, self.comm,
                 self.budget_bytes(), self.accumulation_steps, extra,
-                already=self.resident_ids,
+                already=self.resident_ids, max_live_numel=self.max_live_numel, max_reuse_numel=self.max_reuse_numel,
+                prefetch_extra_numel=self._prefetch_extra_numel() if "prefetch" in entry.passes else 0,
             )
             for ds_id in persistent_plan.ids:
                 runtime.set_persistent(ds_id, True)
@@ -265,13 +273,24 @@ class ScheduleDriver:
         return {
             sig: planner.plan_prefetch(gm, self.max_group_numel, resident=self._persistent_ids(),
                                        profile=self.profiles.get(sig), comm=self.comm,
-                                       budget_bytes=self.budget_bytes())
+                                       budget_bytes=self.budget_bytes(), max_live_numel=self.max_live_numel,
+                                       kept_numel=self._kept_numel())
             for sig, gm in self.graphs.items() if sig in self.profiles
         }
 
     def _prefetch_extra(self) -> int:
         """The most bytes any planned prefetch holds ahead of its use."""
         return max((p.max_ahead_bytes for p in self._preview_prefetch().values()), default=0)
+
+    def _prefetch_extra_numel(self) -> int:
+        """The most elements any planned prefetch holds ahead of its use."""
+        return max((p.max_ahead_numel for p in self._preview_prefetch().values()), default=0)
+
+    def _kept_numel(self) -> int:
+        """The elements of the parameters selective unsharding keeps gathered."""
+        chosen = set(self.chosen_persistent)
+        numel = {g.ds_id: g.numel for gathers in self.gathers.values() for g in gathers if g.ds_id in chosen}
+        return sum(numel.values())
 
     def _largest_gather_bytes(self) -> int:
         return max((g.nbytes for gathers in self.gathers.values() for g in gathers), default=1 << 20)

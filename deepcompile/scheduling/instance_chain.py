@@ -18,7 +18,8 @@ gathered parameters stay until their next use releases them.
 
 Memory: b's first group is held from a's start, on top of a's own peak. A link is used only if
 the predicted peak of a's plan plus that group stays within the memory budget (the driver's, the
-one the prefetch and persistence plans keep to). Both numbers come from profiles and plans that
+one the prefetch and persistence plans keep to) and, with ``stage3_max_live_parameters``, if the
+elements a's plan holds beyond its op in flight plus that group's stay within that limit. Both numbers come from profiles and plans that
 every rank holds alike (the profiler agrees on MAX values), so every rank keeps or drops the same
 links: a prefetch is a collective.
 """
@@ -42,12 +43,13 @@ PHASES = ("forward", "backward")
 class HeadGroup:
     """The first prefetch group of one graph half: the first instance's ds ids and their dtypes."""
 
-    __slots__ = ("ds_ids", "dtypes", "nbytes")
+    __slots__ = ("ds_ids", "dtypes", "nbytes", "numel")
 
-    def __init__(self, ds_ids: Sequence[int], dtypes: Sequence[torch.dtype], nbytes: int = 0):
+    def __init__(self, ds_ids: Sequence[int], dtypes: Sequence[torch.dtype], nbytes: int = 0, numel: int = 0):
         self.ds_ids = list(ds_ids)
         self.dtypes = list(dtypes)
         self.nbytes = nbytes  # gathered bytes
+        self.numel = numel  # gathered elements
 
 
 class InstanceChain:
@@ -59,6 +61,9 @@ class InstanceChain:
         # (phase, template graph id) -> the predicted peak of its prefetch plan (None: unknown).
         self.peaks: Dict[Tuple[str, int], Optional[int]] = {}
         self.budget_bytes: Optional[int] = None  # None: no budget to keep to
+        # (phase, template graph id) -> the most elements its plan holds beyond the op in flight.
+        self.live: Dict[Tuple[str, int], int] = {}
+        self.max_live_numel: Optional[int] = None  # stage3_max_live_parameters (None: no limit)
         self._fits: Dict[Tuple[str, int], bool] = {}  # per link, decided at its first use
         self.launched = 0  # prefetches launched across graphs (tests, reports)
         self.held_back = 0  # launches skipped because the group would not fit the budget
@@ -112,12 +117,15 @@ class InstanceChain:
         plan's predicted peak."""
         self._fits = {}
         self.peaks[(phase, template_graph_id)] = plan.predicted_peak_bytes if plan is not None else None
+        self.live[(phase, template_graph_id)] = plan.peak_live_numel if plan is not None else 0
         if plan is None or not plan.groups:
             self.heads.pop((phase, template_graph_id), None)
             return
         group = plan.groups[0]
         self.heads[(phase, template_graph_id)] = HeadGroup([g.ds_id for g in group.gathers],
-                                                           [g.dtype for g in group.gathers], group.nbytes)
+                                                           [g.dtype for g in group.gathers], group.nbytes,
+                                                           sum(g.numel for g in group.gathers
+                                                               if g.ds_id not in plan.resident))
 
     def launch_after(self, phase: str, graph_id: int, template_graph_id: int) -> None:
         """Instance ``graph_id`` (of the graph compiled for ``template_graph_id``) starts a half of
@@ -145,7 +153,11 @@ class InstanceChain:
     def _fits_budget(self, phase: str, template_graph_id: int, head: HeadGroup) -> bool:
         """Whether ``head``, held through the run of an instance of ``template_graph_id``'s graph,
         stays within the budget above that graph's predicted peak (unknown peak: it does not,
-        unless there is no budget)."""
+        unless there is no budget), and within ``max_live_numel`` above the elements that graph's
+        plan holds."""
+        if self.max_live_numel is not None \
+                and self.live.get((phase, template_graph_id), 0) + head.numel > self.max_live_numel:
+            return False
         if self.budget_bytes is None:
             return True
         peak = self.peaks.get((phase, template_graph_id))

@@ -12,7 +12,9 @@ and the group stays within ``max_group_numel`` elements. Without a model, groups
 the head of the graph), so it travels while the previous group computes, but only if the memory
 profiled over that window plus the group's bytes stays within the budget; otherwise it is
 gathered at its use, as the plain ZeRO-3 pass does. Without a profile every group goes ahead (the
-static plan). The requested dtype of every gather is kept. ``passes/prefetch.py`` writes the plan
+static plan). With a live-parameter limit (DeepSpeed's ``stage3_max_live_parameters``), a group
+goes ahead only if its elements plus those kept gathered by selective unsharding stay within the
+limit: what the op in flight needs is not counted, what is held beyond it is. The requested dtype of every gather is kept. ``passes/prefetch.py`` writes the plan
 into the graph.
 
 Selective unsharding (per engine). Candidates are the partitioned parameters the profiled graphs
@@ -20,7 +22,11 @@ gather. Keeping one gathered saves ``(gathers per optimizer step - 1)`` all-gath
 (one re-gather after each optimizer step remains) and costs its bytes for the whole step. The
 planner ranks candidates by time saved per byte and takes them greedily while the predicted peak
 (profiled peak + prefetch extra + persistent bytes) stays within the budget, skipping those that
-do not fit.
+do not fit. DeepSpeed's two limits, in elements, constrain the choice as well: the kept elements plus
+the most any prefetch holds ahead stay within ``stage3_max_live_parameters``, and a parameter is a
+candidate only if its reuse distance (the elements the other gathers of a step bring in between two
+of its uses, :func:`reuse_distances`) is at most ``stage3_max_reuse_distance``: DeepSpeed keeps a
+released parameter only when it is used again that soon.
 """
 
 from __future__ import annotations
@@ -95,11 +101,28 @@ class PrefetchPlan:
     guided: bool  # planned from a profile (False: static fallback)
 
     resident: frozenset = frozenset()
+    kept_numel: int = 0  # elements kept gathered by selective unsharding, held throughout
+    max_live_numel: Optional[int] = None  # stage3_max_live_parameters (None: no limit)
+
+    @property
+    def max_ahead_numel(self) -> int:
+        return max((_ahead_numel(g.gathers, self.resident) for g in self.groups if g.ahead), default=0)
+
+    @property
+    def peak_live_numel(self) -> int:
+        """The most elements held beyond the op in flight: the kept ones plus the largest group
+        held ahead of its use (one at a time: group k is launched when group k - 1 starts)."""
+        return self.kept_numel + self.max_ahead_numel
 
     @property
     def max_ahead_bytes(self) -> int:
         return max((sum(x.nbytes for x in g.gathers if x.ds_id not in self.resident)
                     for g in self.groups if g.ahead), default=0)
+
+
+def _ahead_numel(gathers: Iterable[Gather], resident: Iterable[int]) -> int:
+    """Elements a group newly holds when launched ahead: resident parameters hold theirs anyway."""
+    return sum(g.numel for g in gathers if g.ds_id not in resident)
 
 
 def _fuse(gathers: Sequence[Gather], max_group_numel: int, comm: Optional[CommModel]) -> List[List[Gather]]:
@@ -134,17 +157,23 @@ def _node_peaks(gm: GraphModule, profile: GraphProfile) -> Dict[str, int]:
 
 def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int] = (),
                   profile: Optional[GraphProfile] = None, comm: Optional[CommModel] = None,
-                  budget_bytes: Optional[int] = None) -> PrefetchPlan:
+                  budget_bytes: Optional[int] = None, max_live_numel: Optional[int] = None,
+                  kept_numel: int = 0) -> PrefetchPlan:
     """``resident``: persistent parameters. They stay in the groups: after every optimizer step
     they are stale and refilled by their first gather, which must be prefetched like any other
     (the runtime skips them when they are still valid). Their buffers are kept, so launching
-    them early costs no memory and they count 0 bytes against the budget."""
+    them early costs no memory and they count 0 bytes against the budget.
+
+    ``max_live_numel``: DeepSpeed's ``stage3_max_live_parameters`` (None: no limit); a group goes
+    ahead only if ``kept_numel`` (the elements selective unsharding keeps gathered) plus its own
+    non-resident elements stay within it, with or without a profile."""
     kept = set(resident)
+    limits = dict(kept_numel=kept_numel, max_live_numel=max_live_numel)
     gathers = graph_gathers(gm)
     guided = profile is not None and profile.complete
     groups = _fuse(gathers, max_group_numel, comm if guided else None)
     if not groups:
-        return PrefetchPlan([], profile.peak_bytes if guided else None, guided, frozenset(kept))
+        return PrefetchPlan([], profile.peak_bytes if guided else None, guided, frozenset(kept), **limits)
     order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
     nodes = list(gm.graph.nodes)
     head = next(n for n in nodes if n.op != "placeholder")
@@ -154,8 +183,8 @@ def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int]
     for k, group in enumerate(groups):
         use = group[0].node
         anchor = head if k == 0 else groups[k - 1][0].node
-        ahead = True
-        if guided:
+        ahead = max_live_numel is None or kept_numel + _ahead_numel(group, kept) <= max_live_numel
+        if guided and ahead:
             window = nodes[order[anchor.name]: order[use.name] + 1]
             window_peak = max((peaks[n.name] for n in window), default=0)
             extra = sum(g.nbytes for g in group if g.ds_id not in kept)
@@ -163,7 +192,7 @@ def plan_prefetch(gm: GraphModule, max_group_numel: int, resident: Iterable[int]
             if ahead:
                 predicted = max(predicted, window_peak + extra)
         planned.append(PrefetchGroup(group, (anchor if ahead else use).name, ahead))
-    return PrefetchPlan(planned, predicted, guided, frozenset(kept))
+    return PrefetchPlan(planned, predicted, guided, frozenset(kept), **limits)
 
 
 @dataclasses.dataclass
@@ -171,6 +200,8 @@ class PersistentChoice:
     ds_id: int
     nbytes: int
     saved_ms: float  # all-gather time saved per optimizer step
+    numel: int = 0
+    reuse_numel: Optional[int] = None  # its reuse distance (reuse_distances)
 
 
 @dataclasses.dataclass
@@ -179,6 +210,19 @@ class PersistentPlan:
     base_peak_bytes: int  # profiled peak (+ prefetch extra) before adding persistent parameters
     budget_bytes: Optional[int]  # None: no limit
     skipped_reason: str = ""
+    prefetch_extra_numel: int = 0  # the most elements any prefetch holds ahead of its use
+    max_live_numel: Optional[int] = None  # stage3_max_live_parameters (None: no limit)
+    max_reuse_numel: Optional[int] = None  # stage3_max_reuse_distance (None: no limit)
+    beyond_reuse: int = 0  # candidates left out for their reuse distance
+
+    @property
+    def kept_numel(self) -> int:
+        return sum(c.numel for c in self.chosen)
+
+    @property
+    def peak_live_numel(self) -> int:
+        """The most elements the plan holds beyond the op in flight: kept plus prefetched ahead."""
+        return self.kept_numel + self.prefetch_extra_numel
 
     @property
     def ids(self) -> List[int]:
@@ -189,33 +233,83 @@ class PersistentPlan:
         return self.base_peak_bytes + sum(c.nbytes for c in self.chosen)
 
 
+def reuse_distances(gathers_per_graph: Sequence[Sequence[Gather]], micro_steps_per_step: int,
+                    skip: Iterable[int] = ()) -> Dict[int, int]:
+    """Per parameter gathered more than once per optimizer step, its reuse distance: the most
+    elements the other gathers bring in between two consecutive uses of it, the graphs taken in the
+    order given (the order they run in a micro-step). With several micro-steps per optimizer step,
+    the gap from its last use in one micro-step to its first in the next counts too; across an
+    optimizer step it is re-gathered anyway. ``skip``: parameters that are never released (they
+    neither have a distance nor add to others')."""
+    skip = set(skip)
+    seq = [g for gathers in gathers_per_graph for g in gathers if g.ds_id not in skip]
+    before = [0]  # before[i]: elements gathered by seq[:i]
+    for g in seq:
+        before.append(before[-1] + g.numel)
+    uses: Dict[int, List[int]] = {}
+    for i, g in enumerate(seq):
+        uses.setdefault(g.ds_id, []).append(i)
+    out = {}
+    for ds_id, at in uses.items():
+        gaps = [before[b] - before[a + 1] for a, b in zip(at, at[1:])]
+        if micro_steps_per_step > 1:
+            gaps.append(before[-1] - before[at[-1] + 1] + before[at[0]])
+        if gaps:
+            out[ds_id] = max(gaps)
+    return out
+
+
 def plan_persistent(gathers_per_graph: Sequence[Sequence[Gather]], profiles: Sequence[GraphProfile],
                     comm: CommModel, budget_bytes: Optional[int], micro_steps_per_step: int,
-                    prefetch_extra_bytes: int = 0, already: Iterable[int] = ()) -> PersistentPlan:
-    """Choose the parameters to keep gathered (see the module docstring)."""
+                    prefetch_extra_bytes: int = 0, already: Iterable[int] = (),
+                    max_live_numel: Optional[int] = None, max_reuse_numel: Optional[int] = None,
+                    prefetch_extra_numel: int = 0) -> PersistentPlan:
+    """Choose the parameters to keep gathered (see the module docstring). ``gathers_per_graph``
+    in the order the graphs run; ``max_live_numel`` / ``max_reuse_numel``: DeepSpeed's
+    ``stage3_max_live_parameters`` / ``stage3_max_reuse_distance`` (None: no limit);
+    ``prefetch_extra_numel``: the most elements the prefetch plans hold ahead of a use."""
     base = max((p.peak_bytes for p in profiles), default=0) + prefetch_extra_bytes
+    limits = dict(prefetch_extra_numel=prefetch_extra_numel, max_live_numel=max_live_numel,
+                  max_reuse_numel=max_reuse_numel)
     if not profiles or any(not p.complete for p in profiles):
-        return PersistentPlan([], base, budget_bytes, "a profile is missing or incomplete")
+        return PersistentPlan([], base, budget_bytes, "a profile is missing or incomplete", **limits)
     skip: Set[int] = set(already)
     count: Dict[int, int] = {}
     size: Dict[int, int] = {}
+    numel: Dict[int, int] = {}
     for gathers in gathers_per_graph:
         for g in gathers:
             if g.ds_id in skip:
                 continue
             count[g.ds_id] = count.get(g.ds_id, 0) + 1
             size[g.ds_id] = max(size.get(g.ds_id, 0), g.nbytes)
-    candidates = []
+            numel[g.ds_id] = max(numel.get(g.ds_id, 0), g.numel)
+    distance = reuse_distances(gathers_per_graph, micro_steps_per_step, skip)
+    candidates, beyond_reuse = [], 0
     for ds_id, n in count.items():
         saved = (n * micro_steps_per_step - 1) * comm.predict_ms(size[ds_id])
         if saved > 0 and size[ds_id] > 0:
-            candidates.append(PersistentChoice(ds_id, size[ds_id], saved))
+            reuse = distance.get(ds_id)
+            if max_reuse_numel is not None and (reuse is None or reuse > max_reuse_numel):
+                beyond_reuse += 1
+                continue
+            candidates.append(PersistentChoice(ds_id, size[ds_id], saved, numel[ds_id], reuse))
     # Most time saved per byte first; ties broken by id so every rank orders alike.
     candidates.sort(key=lambda c: (-c.saved_ms / c.nbytes, c.ds_id))
-    chosen, used = [], base
+    chosen, used, live = [], base, prefetch_extra_numel
     for c in candidates:
-        if budget_bytes is None or used + c.nbytes <= budget_bytes:
+        fits_budget = budget_bytes is None or used + c.nbytes <= budget_bytes
+        fits_live = max_live_numel is None or live + c.numel <= max_live_numel
+        if fits_budget and fits_live:
             chosen.append(c)
             used += c.nbytes
-    reason = "" if chosen else ("nothing fits in the budget" if candidates else "no candidates")
-    return PersistentPlan(chosen, base, budget_bytes, reason)
+            live += c.numel
+    if chosen:
+        reason = ""
+    elif candidates:
+        reason = "nothing fits in the budget" + (" or stage3_max_live_parameters" if max_live_numel is not None else "")
+    elif beyond_reuse:
+        reason = "every candidate's reuse distance is above stage3_max_reuse_distance"
+    else:
+        reason = "no candidates"
+    return PersistentPlan(chosen, base, budget_bytes, reason, beyond_reuse=beyond_reuse, **limits)

@@ -6,7 +6,8 @@ printed when ``compile.debug_log`` is true. One report per schedule switch, in t
 * at the switch (``planned``): the entry, the memory budget, the all-gather time model, per graph
   its profile (time, peak) and prefetch plan (fused groups, where each is launched, ahead or at
   use), the persistent set (parameter, bytes, all-gather time saved per step) and the predicted
-  peak memory;
+  peak memory; and the parameter elements the plan holds beyond the op in flight (kept gathered plus
+  prefetched ahead) against DeepSpeed's ``stage3_max_live_parameters``;
 * after the first micro-step under the new plan (``measured``): the peak of each graph measured by
   profiling that micro-step, next to the prediction.
 
@@ -96,6 +97,18 @@ def _joint_lines(j: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _live_parameters(persistent_plan, prefetch_plans: Dict[Tuple, Any]) -> Dict[str, Any]:
+    """The planned parameter elements held beyond the op in flight, and DeepSpeed's limits."""
+    plans = list(prefetch_plans.values())
+    peaks = [p.peak_live_numel for p in plans]
+    if persistent_plan is not None:
+        peaks.append(persistent_plan.peak_live_numel)
+    limits = [p.max_live_numel for p in plans] + ([persistent_plan.max_live_numel] if persistent_plan else [])
+    return {"planned_peak_numel": max(peaks, default=0),
+            "max_live_parameters": next((x for x in limits if x is not None), None),
+            "max_reuse_distance": persistent_plan.max_reuse_numel if persistent_plan is not None else None}
+
+
 def _key(signature: Tuple) -> str:
     phase, ids, n_nodes = signature
     return f"{phase}[{len(ids)} gathers, {n_nodes} nodes]"
@@ -140,6 +153,7 @@ class ScheduleReport:
                 "profiled_peak_bytes": prof.peak_bytes,
                 "prefetch": [g.to_dict(names) for g in plan.groups] if plan is not None else None,
                 "predicted_peak_bytes": predicted,
+                "live_numel": plan.peak_live_numel if plan is not None else None,
                 "measured_peak_bytes": None,
                 "_sig": sig,
             })
@@ -151,10 +165,11 @@ class ScheduleReport:
             "graphs": graphs,
             "persistent": [
                 {"ds_id": c.ds_id, "param": names.get(c.ds_id, str(c.ds_id)), "bytes": c.nbytes,
-                 "saved_ms_per_step": round(c.saved_ms, 4)}
+                 "numel": c.numel, "reuse_distance": c.reuse_numel, "saved_ms_per_step": round(c.saved_ms, 4)}
                 for c in (persistent_plan.chosen if persistent_plan is not None else [])
             ],
             "persistent_note": persistent_plan.skipped_reason if persistent_plan is not None else "selective_gather off",
+            "live_parameters": _live_parameters(persistent_plan, prefetch_plans),
         }
         self.verify_profiles = {}
         self.history.append(self.current)
@@ -237,6 +252,11 @@ def format_schedule_report(r: Dict[str, Any], verify_plan: bool = True) -> str:
                  + (f" ({r['persistent_note']})" if r["persistent_note"] else ""))
     for p in r["persistent"]:
         lines.append(f"    {p['param']}: {_mib(p['bytes'])}, saves {p['saved_ms_per_step']} ms/step")
+    live = r.get("live_parameters")
+    if live and (live["max_live_parameters"] is not None or live["max_reuse_distance"] is not None):
+        lines.append(f"  live parameters: at most {live['planned_peak_numel']} element(s) held beyond the op in "
+                     f"flight (stage3_max_live_parameters {live['max_live_parameters']}, "
+                     f"stage3_max_reuse_distance {live['max_reuse_distance']})")
     across = r.get("prefetch_across_graphs")
     if across and across["links"]:
         lines.append(f"  prefetch across graphs: {across['links']} link(s), {across['launched']} launched, "
