@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--model-path", help="start from these weights (from_pretrained) instead of a fresh tiny Llama")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
+    p.add_argument("--eval-only", action="store_true", help="only evaluate (ZeRO inference), no training")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -76,9 +77,11 @@ def main() -> None:
         train_dataset=CausalLMRows(token_rows(args.rows, seed=0)),
         eval_dataset=CausalLMRows(token_rows(8, seed=1)),
     )
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if not args.eval_only:
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()
-    trainer.save_model(os.path.join(args.output_dir, "model"))
+    if not args.eval_only:
+        trainer.save_model(os.path.join(args.output_dir, "model"))
 
     if trainer.is_world_process_zero() and args.out:
         with open(args.out, "w") as f:

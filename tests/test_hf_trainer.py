@@ -195,3 +195,18 @@ def test_trainer_qwen2_moe_matches_single_process(runs):
     want = AutoModelForCausalLM.from_pretrained(base / "moe_ref" / "model").state_dict()
     for name in want:
         torch.testing.assert_close(got[name], want[name], **WEIGHT_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_evaluate_without_training_is_zero_inference(tmp_path):
+    """Trainer.evaluate() with no training first: Trainer initializes DeepSpeed without an
+    optimizer (ZeRO inference); the evaluation loss is the untrained model's, computed here in
+    one process."""
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--eval-only",
+                                 *_common(tmp_path / "eval.json", tmp_path / "eval")], nproc=WORLD)
+    got = hf_launch.read_json(tmp_path / "eval.json")
+    assert got["engine"] == "deepcompile.integrations.deepspeed_api.engine"
+    tiny = hf_launch.examples_module("hf_tiny")
+    model, rows = tiny.build_model(seed=0).eval(), tiny.token_rows(8, seed=1)
+    with torch.no_grad():
+        want = model(input_ids=rows, labels=rows).loss.item()
+    torch.testing.assert_close(got["eval"]["eval_loss"], want, **TOL)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.comm import init_distributed
@@ -58,11 +60,17 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     init_distributed()
     from deepcompile.config import Config
 
-    engine = BoundaryEngine(model, optimizer, Config.from_any(_as_deepcompile_config(cfg)), lr_scheduler=lr_scheduler,
-                            model_parameters=model_parameters)
-    raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else Config.from_any(cfg).to_dict()
-    wrapped = DeepSpeedEngine(engine, raw)
-    return wrapped, wrapped.optimizer, None, engine.lr_scheduler
+    config = Config.from_any(_as_deepcompile_config(cfg))
+    # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
+    # deepcompile's engine partitions through an optimizer, so it gets one that never steps (SGD
+    # at lr 0 keeps no state); the served engine refuses backward and step.
+    inference = optimizer is None and model_parameters is None and lr_scheduler is None and config.optimizer is None
+    if inference:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = BoundaryEngine(model, optimizer, config, lr_scheduler=lr_scheduler, model_parameters=model_parameters)
+    raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else config.to_dict()
+    wrapped = DeepSpeedEngine(engine, raw, inference_only=inference)
+    return wrapped, None if inference else wrapped.optimizer, None, engine.lr_scheduler
 
 
 __getattr__ = module_getattr("deepspeed")

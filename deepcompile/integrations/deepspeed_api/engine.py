@@ -73,8 +73,9 @@ class OptimizerView:
 
 
 class DeepSpeedEngine(nn.Module):
-    def __init__(self, engine: BoundaryEngine, config: Dict[str, Any]):
+    def __init__(self, engine: BoundaryEngine, config: Dict[str, Any], inference_only: bool = False):
         super().__init__()
+        self.inference_only = inference_only  # initialized without any optimizer: evaluation only
         object.__setattr__(self, "engine", engine)  # not a submodule: .module is the model
         self.module = engine.module
         self.config = config  # the dict as given (Trainer reads config["zero_optimization"]["stage"])
@@ -92,6 +93,9 @@ class DeepSpeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
                  **kwargs: Any) -> torch.Tensor:
+        if self.inference_only:
+            raise RuntimeError("this engine was initialized without an optimizer (ZeRO inference): it only "
+                               "evaluates; train through a deepspeed.initialize given an optimizer")
         if retain_graph:
             raise missing("DeepSpeedEngine.backward(retain_graph=True)")
         if kwargs:
