@@ -280,7 +280,6 @@ SAVE_KILLS = [("save:before_write", 1, None), ("save:after_write", 1, None), ("s
 
 
 def _load_and_compare(ctx, cases):
-    import deepcompile
     from _harness.fault_worker import build_engine
 
     for root, reference in cases:
@@ -294,7 +293,6 @@ def _load_and_compare(ctx, cases):
             for name, value in want["params"].items():
                 assert torch.equal(got[name], value), f"{root} ({tag}): {name} differs from what was saved"
             engine.destroy()
-        assert isinstance(deepcompile.Engine, type)
 
 
 @pytest.mark.world_size(2)
