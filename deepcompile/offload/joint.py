@@ -2,7 +2,8 @@
 offload, optimizer-state offload and parameter offload, whenever optimizer-state or parameter
 offload is on (with activation offload or without: the plan then weighs optimizer state and master
 shards alone, from the same measurements). Activation offload alone keeps its own plan
-(``activations.py``).
+(``activations.py``). Each kind is behind one protocol, ``OffloadSide`` (the candidates it offers,
+how it takes the decisions): ``ActivationSide`` and ``UnitSide``.
 
 Before any measurement each side runs provisionally, so a job that fits only with offloading runs
 from its first step: every activation candidate is offloaded, the master shards of parameter
@@ -35,12 +36,71 @@ step's time comes from ``wall_clock_breakdown`` only.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from deepcompile.offload import bandwidth, device_memory, host_memory
 from deepcompile.offload.joint_plan import (ACTIVATION, KINDS, MASTER, OPTIMIZER_STATE, Candidate, ComputeTimes,
                                             JointPlan, Link, plan_jointly)
 from deepcompile.offload.plan import OffloadBudgetError
+
+
+class OffloadSide(Protocol):
+    """One kind of offloadable memory the joint plan weighs (activations; optimizer state and
+    master shards): the candidates it offers now, and how it takes the plan's decisions on them.
+    Keys are the side's own and distinct from every other side's."""
+
+    def candidates(self) -> List[Candidate]:
+        ...
+
+    def apply(self, decided: Dict[Any, bool], headroom: Optional[int]) -> Optional[str]:
+        """Take the plan's decisions (candidate key -> offloaded) on the candidates last offered;
+        ``headroom``: the bytes the budget leaves above the plan's peak (None: no budget). Returns
+        why a host buffer could not be allocated on this rank (None: all were), for the vote."""
+        ...
+
+
+class ActivationSide:
+    """Activation offload's runs (``activations.py``): applied once its provisional window (every
+    candidate offloaded, to measure the floor) is over."""
+
+    def __init__(self, activations: Any):
+        self.activations = activations
+        self._runs: List[Any] = []
+
+    def candidates(self) -> List[Candidate]:
+        o = self.activations.offloader
+        self._runs = o.planning_runs()
+        return [Candidate(("act", s.key, run), ACTIVATION, s.nbytes, position=o.positions.get((s.key, run), 0.0))
+                for s, run in self._runs]
+
+    def apply(self, decided: Dict[Any, bool], headroom: Optional[int]) -> Optional[str]:
+        if self.activations.planned_after_step is not None:
+            self.activations.offloader.plan = {(s.key, run) for s, run in self._runs if decided[("act", s.key, run)]}
+        return None
+
+
+class UnitSide:
+    """Optimizer-state offload's units (``opt_states.py``): optimizer state, and with parameter
+    offload the ZeRO-3 master shards."""
+
+    def __init__(self, offload: Any):
+        self.offload = offload
+        self._units: List[Any] = []
+
+    def candidates(self) -> List[Candidate]:
+        off, settings = self.offload, self.offload.settings
+        self._units = off.joint_units()
+        cands = []
+        for u in self._units:
+            master = off.is_master_shard(u)
+            cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,
+                                   forced=master and settings.force_masters,
+                                   eligible=settings.offload_masters if master else settings.offload_state))
+        return cands
+
+    def apply(self, decided: Dict[Any, bool], headroom: Optional[int]) -> Optional[str]:
+        return self.offload.apply_joint_plan({u.storage_key: decided[("unit", u.storage_key)] for u in self._units},
+                                             headroom)
 
 
 class JointOffload:
@@ -61,6 +121,9 @@ class JointOffload:
         self._switch_seen: Optional[int] = None
         self._floor_shift = 0  # the measured peak's move at schedule switches (CUDA)
         self._resident_at: Dict[str, int] = {}
+        # The kinds the plan weighs, in the order their decisions are applied.
+        self.sides: List[OffloadSide] = ([ActivationSide(activations)] if activations is not None else []) \
+            + [UnitSide(offload)]
         offload.joint = self
         if activations is not None:
             activations.joint = self
@@ -105,18 +168,10 @@ class JointOffload:
         """Plan all three kinds together and apply it (activations only once their provisional
         window is over). ``vote``: raise a host-buffer failure on every rank here; otherwise it is
         returned for the caller's vote."""
-        off, o = self.offload, self._offloader
+        off = self.offload
         m = self._measure()
         settings = off.settings
-        units = off.joint_units()
-        runs = o.planning_runs() if o is not None else []
-        cands = [Candidate(("act", s.key, run), ACTIVATION, s.nbytes, position=o.positions.get((s.key, run), 0.0))
-                 for s, run in runs]
-        for u in units:
-            master = off.is_master_shard(u)
-            cands.append(Candidate(("unit", u.storage_key), MASTER if master else OPTIMIZER_STATE, u.nbytes,
-                                   forced=master and settings.force_masters,
-                                   eligible=settings.offload_masters if master else settings.offload_state))
+        cands = [c for side in self.sides for c in side.candidates()]
         error = None
         try:
             plan = plan_jointly(cands, settings.budget_bytes, m["fb_floor_bytes"], m["step_floor_bytes"], off.streams,
@@ -131,10 +186,9 @@ class JointOffload:
                                               "names the minimum there)")
         self.plan, self.inputs = plan, m
         decided = {c.key: out for c, out in zip(cands, plan.offloaded)}
-        if self._activations_planned():  # the provisional window is over
-            o.plan = {(s.key, run) for s, run in runs if decided[("act", s.key, run)]}
-        failure = off.apply_joint_plan({u.storage_key: decided[("unit", u.storage_key)] for u in units},
-                                       plan.headroom)
+        failure = None
+        for side in self.sides:
+            failure = side.apply(decided, plan.headroom) or failure
         self._peak_at_plan = device_memory.peak_allocated(off.device)
         self.history.append({"after_step": off.steps, "reason": reason,
                              "activations_applied": self._activations_planned(),
