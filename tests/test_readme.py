@@ -194,3 +194,18 @@ def test_the_api_checker_sees_a_missing_name():
     assert _resolves("deepcompile.checkpoint.agreement.CheckpointError")
     assert not _resolves("deepcompile.no_such_function")
     assert _engine_has("save_hf") and _engine_has("lr_scheduler") and not _engine_has("save_16bit_model")
+
+
+def test_hugging_face_snippets_are_copied_from_the_examples_the_tests_run():
+    """Each Python block of "From Hugging Face Trainer and accelerate" is a verbatim excerpt of
+    one of the example scripts that tests/test_hf_trainer.py and tests/test_hf_accelerate.py run,
+    so the README cannot show code that no test runs."""
+    text = section(README, "From Hugging Face Trainer and accelerate")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2, "the section lost its code blocks"
+    examples = {name: (ROOT / "examples" / name).read_text() for name in ("hf_trainer.py", "hf_accelerate.py")}
+    for block in blocks:
+        assert any(block in source for source in examples.values()), (
+            "this README block is in neither examples/hf_trainer.py nor examples/hf_accelerate.py:\n" + block)
+    for name in examples:
+        assert f"examples/{name}" in text, f"the section does not name examples/{name}"
