@@ -35,6 +35,8 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
+from _harness.source_names import dotted
+
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepcompile")
 EXTENSION = "deepcompile._C"
 
@@ -288,16 +290,6 @@ def _imported_names(tree: ast.AST) -> List[str]:
     return out
 
 
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-    return ".".join(reversed(parts))
-
-
 def _private_torch(name: str) -> bool:
     parts = name.split(".")
     if parts[:2] == ["torch", "ops"]:
@@ -311,6 +303,6 @@ def test_private_torch_only_in_compat():
     for path, _, tree in SOURCES:
         if path.startswith("compat/"):
             continue
-        names = _imported_names(tree) + [_dotted(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+        names = _imported_names(tree) + [dotted(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
         offenders += [(path, name) for name in names if _private_torch(name)]
     assert not offenders, f"private torch used outside deepcompile/compat/: {sorted(set(offenders))}"

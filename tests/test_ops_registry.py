@@ -17,25 +17,17 @@ import torch
 
 from deepcompile import ops
 
+from _harness.source_names import dotted
+
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepcompile")
 HOME = "ops.py"
-
-
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-    return ".".join(reversed(parts))
 
 
 def _raw_accesses(tree: ast.AST):
     """(line, what) for each raw reach into a custom-op namespace in ``tree``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            name = _dotted(node)
+            name = dotted(node)
             parts = name.split(".")
             if parts[:2] == ["torch", "ops"] and len(parts) == 3 and parts[2] in ops.NAMESPACES:
                 yield node.lineno, name
@@ -43,7 +35,7 @@ def _raw_accesses(tree: ast.AST):
                                                                               "register_fake", "custom_op"):
                 yield node.lineno, name
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-              and node.args and _dotted(node.args[0]) == "torch.ops"):
+              and node.args and dotted(node.args[0]) == "torch.ops"):
             yield node.lineno, "getattr(torch.ops, ...)"
 
 
