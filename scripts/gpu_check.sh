@@ -4,6 +4,9 @@
 # pytest test with DC_TEST_DEVICE=cuda: the same multi-rank bodies on NCCL, one rank per GPU.
 # Logs and a JUnit report go to $OUT (or ./gpu-logs). The last line says how many tests ran at
 # world size 1 only (the JUnit report gives each test's world sizes).
+#   bash scripts/gpu_check.sh                                  # the whole suite
+#   bash scripts/gpu_check.sh -k stress                        # the whole suite, filtered
+#   bash scripts/gpu_check.sh tests/test_gpu_stress.py -x      # only the files named first
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 {
@@ -11,7 +14,10 @@ source "$(dirname "$0")/gpu_prelude.sh"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 } 2>&1 | tee "$OUT/env.txt"
 gpu_build
-DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -q -rs tests "$@" \
+# Test paths given first replace the default `tests`; options alone filter the whole suite.
+targets=(tests)
+if [ $# -gt 0 ] && [[ "$1" != -* ]]; then targets=(); fi
+DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -q -rs "${targets[@]}" "$@" \
   --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -40
 status=${PIPESTATUS[0]}
 world_size_summary "$OUT/pytest.log"
