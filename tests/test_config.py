@@ -296,6 +296,38 @@ def test_wrong_types_and_ranges(d, expected):
     assert expected in err(d)
 
 
+def test_steps_per_print_infinity_means_never(tmp_path):
+    # accelerate always writes float("inf"); a JSON file spells it Infinity (Python's json reads
+    # that as the same float). Both stay infinity through to_dict and a second parse.
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3}, "steps_per_print": Infinity}')
+    for given in (make(steps_per_print=float("inf")), str(path)):
+        c = Config.from_any(given)
+        assert c.steps_per_print == float("inf")
+        assert Config.from_any(c.to_dict()).steps_per_print == float("inf")
+
+
+def test_steps_per_print_infinity_logs_no_step_line():
+    import torch
+
+    from deepcompile.step_report import StepReport
+
+    never = StepReport(Config.from_any(make(steps_per_print=float("inf"))).steps_per_print, False, 0,
+                       torch.device("cpu"))
+    every = StepReport(1, False, 0, torch.device("cpu"))
+    for step in range(1, 6):
+        for report in (never, every):
+            report.after_micro_step(torch.tensor(1.0))
+            report.after_optimizer_step(step, [0.1])
+    assert every.last_values["step"] == 5  # the same calls log when the period comes
+    assert never.last_line is None and never.last_values == {}
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("nan"), "inf", "Infinity", 0, 2.5, True])
+def test_steps_per_print_refuses_other_values(value):
+    assert "steps_per_print must be a positive integer or Infinity (never)" in err(make(steps_per_print=value))
+
+
 @pytest.mark.parametrize(
     "d, expected",
     [

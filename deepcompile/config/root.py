@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from deepcompile.config import auto, rules, runtime_settings
 from deepcompile.config.batch import complete_batch_sizes
@@ -17,7 +17,7 @@ from deepcompile.config.faults import FaultToleranceConfig
 from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig, HF_FILLS
 from deepcompile.config.precision import Bf16Config, Fp16Config, communication_data_type
 from deepcompile.config.schema import Section, fixed_key, key, no_effect_key, section
-from deepcompile.config.validators import any_object, boolean, integer, number, optional
+from deepcompile.config.validators import any_object, boolean, integer, integer_or_never, number, optional
 from deepcompile.config.zero import OFFLOAD_KEYS, ZeroConfig
 
 _UNTESTED = "torch.optim.Adam, AdamW and SGD"
@@ -55,9 +55,10 @@ class Config(Section):
         auto="train_batch_size / (train_micro_batch_size_per_gpu * world_size)")
     gradient_clipping: float = key(number(0.0), 0.0, "Max global gradient norm; 0 disables clipping.",
                                    no_auto=HF_FILLS.format("max_grad_norm"))
-    steps_per_print: int = key(integer(1), 10, "Every this many optimizer steps rank 0 logs the step and learning "
-                               "rates (and, with wall_clock_breakdown, the times) to the 'deepcompile' logger at "
-                               "INFO level.")
+    steps_per_print: Union[int, float] = key(
+        integer_or_never(1), 10, "Every this many optimizer steps rank 0 logs the step and learning rates (and, with "
+        "wall_clock_breakdown, the times) to the 'deepcompile' logger at INFO level. Infinity (float('inf'), as "
+        "accelerate writes): never.")
     wall_clock_breakdown: bool = key(boolean, False, "Time forward, backward and the optimizer step (synchronizing "
                                      "the device around each) and log the mean per step every steps_per_print "
                                      "steps.")

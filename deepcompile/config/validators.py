@@ -42,6 +42,25 @@ def integer(minimum: int) -> Check:
     return check
 
 
+def integer_or_never(minimum: int) -> Check:
+    """A period in steps, as :func:`integer`, or positive infinity for "never": ``float("inf")``
+    in a dict, ``Infinity`` in a JSON file (Python's json reads it as that float). accelerate
+    writes ``steps_per_print: inf`` to silence DeepSpeed's log, and DeepSpeed takes it because
+    ``step % inf`` is never 0. No string form: DeepSpeed's own ``%`` fails on one."""
+    as_integer = integer(minimum)
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+
+    def check(value: Any, key: str) -> Any:
+        if isinstance(value, float) and value == math.inf:
+            return value
+        try:
+            return as_integer(value, key)
+        except ValueError:
+            raise ValueError(f"{key} must be {what} or Infinity (never), got {show(value)}") from None
+
+    return check
+
+
 def number(low: float, high: float = math.inf, low_open: bool = False) -> Check:
     what = f"a number in ({low}, {high}]" if low_open else f"a number >= {low}"
     if not low_open and high != math.inf:

@@ -8,7 +8,6 @@ ZeRO paths (read from their sources; docs/huggingface.md lists it), implemented 
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -34,14 +33,6 @@ def _config_dict(config: Any, config_params: Any) -> Any:
     return cfg
 
 
-def _as_deepcompile_config(cfg: Any) -> Any:
-    """The config as deepcompile reads it. accelerate writes ``steps_per_print: inf`` to silence
-    DeepSpeed's per-step log; deepcompile's key takes integers, so "never" becomes the largest."""
-    if isinstance(cfg, dict) and cfg.get("steps_per_print") == float("inf"):
-        cfg = dict(cfg, steps_per_print=sys.maxsize)
-    return cfg
-
-
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: Any = None, mpu: Any = None,
                dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
@@ -60,7 +51,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     init_distributed()
     from deepcompile.config import Config
 
-    config = Config.from_any(_as_deepcompile_config(cfg))
+    config = Config.from_any(cfg)
     # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
     # deepcompile's engine partitions through an optimizer, so it gets one that never steps (SGD
     # at lr 0 keeps no state); the served engine refuses backward and step.
