@@ -176,11 +176,14 @@ class Engine:
         self._exit(moment, "forward")
         return out
 
-    def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None) -> None:
-        """Backward of ``loss`` (divided by gradient_accumulation_steps). ``tokens``: the number
-        of tokens this micro-step trained on, for the tokens/s of ``steps_per_print`` (an int or a
-        device tensor, e.g. ``attention_mask.sum()``); default: the elements of the forward's
-        ``input_ids`` argument, or of its first integer tensor argument."""
+    def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None,
+                 scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss`` divided by gradient_accumulation_steps; with
+        ``scale_wrt_gas=False`` (DeepSpeed's keyword, which Trainer passes), of ``loss`` as given,
+        for a caller that divided it already (fp16's loss scale applies either way). ``tokens``:
+        the number of tokens this micro-step trained on, for the tokens/s of ``steps_per_print``
+        (an int or a device tensor, e.g. ``attention_mask.sum()``); default: the elements of the
+        forward's ``input_ids`` argument, or of its first integer tensor argument."""
         moment = self._moment()
         self.sharding.start_backward(moment.boundary)
         for hook in self._at["before_backward"]:
@@ -189,7 +192,10 @@ class Engine:
         self._enter(moment, "backward")
         try:
             with self._first_runs("backward", self._compiled is not None):
-                (self.loss_scaler.scale_loss(loss) / self.gradient_accumulation_steps).backward()
+                scaled = self.loss_scaler.scale_loss(loss)
+                if scale_wrt_gas:
+                    scaled = scaled / self.gradient_accumulation_steps
+                scaled.backward()
         finally:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the

@@ -100,10 +100,8 @@ class DeepSpeedEngine(nn.Module):
             raise missing("DeepSpeedEngine.backward(retain_graph=True)")
         if kwargs:
             raise missing(f"DeepSpeedEngine.backward arguments {sorted(kwargs)}")
-        gas = self.engine.gradient_accumulation_steps
-        # The engine divides by gradient_accumulation_steps; a caller that already did
-        # (scale_wrt_gas=False, as Trainer) gets the division undone (exact for powers of two).
-        self.engine.backward(loss if scale_wrt_gas else loss * gas)
+        # scale_wrt_gas=False (Trainer): the caller already divided by the accumulation steps.
+        self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._advanced_in_backward = not self.engine.is_gradient_accumulation_boundary()
         if self._advanced_in_backward:
             self.engine.step()  # not a boundary: only counts the micro-step
