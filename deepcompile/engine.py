@@ -385,7 +385,7 @@ class Engine:
         comes back from :meth:`load_checkpoint`. Collective; only at a gradient accumulation
         boundary. Nothing becomes visible until every rank has written: a failed or cut-off save
         leaves the directory as it was. Returns the checkpoint's directory (DeepSpeed: ``True``).
-        Format and behaviour: docs/design.md, "Checkpoints"."""
+        Format and behaviour: docs/design/checkpoints.md."""
         from deepcompile.checkpoint import dcp_checkpoint
 
         self._watch("save_checkpoint")

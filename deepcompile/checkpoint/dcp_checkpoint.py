@@ -1,7 +1,7 @@
 """``engine.save_checkpoint`` / ``engine.load_checkpoint``: training state through
 ``torch.distributed.checkpoint`` (DCP), every rank writing and reading only its own shards.
 
-What one checkpoint holds (DCP keys; ``docs/design.md``, "Checkpoints"):
+What one checkpoint holds (DCP keys; ``docs/design/checkpoints.md``, "Format"):
 
 * ``model/<name>``: every parameter as one logical 1-D tensor of ``numel`` elements (the
   parameter flattened in row-major order), written as each rank's ``[start, end)`` chunk

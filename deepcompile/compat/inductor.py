@@ -135,7 +135,7 @@ def inductor_joint_graph_passes(joint: GraphModule, joint_inputs) -> GraphModule
     The backend partitions the joint graph itself (ZeRO-3 marks parameter views for recompute
     first), so without this it would skip the passes Inductor runs there: no-op removal and the
     pattern rewrites that, among others, let the loss gradient be produced in bf16 instead of a
-    materialised fp32 copy of the logits (docs/design.md, "Measured").
+    materialised fp32 copy of the logits (docs/design/measured.md).
 
     Relies on ``torch._inductor.compile_fx._recursive_joint_graph_passes``. Its signature differs
     between versions (2.12 takes ``input_device`` and returns the graph module; older ones rewrite

@@ -336,7 +336,7 @@ class _ProfiledCallable:
     aot_autograd to pass the arguments as one list, which Inductor's code clears and then frees
     each saved activation after its last use in the backward. Without it the arguments are
     unpacked and every activation saved by the forward stays alive until the whole backward graph
-    has run (docs/design.md, "Measured"). ``detach`` drops every reference once the engine is gone.
+    has run (docs/design/measured.md). ``detach`` drops every reference once the engine is gone.
 
     ``plan`` (ZeRO-3, static sizes): what re-planning in place needs (``compiler/replan.py``);
     ``compiled`` is None while a compile is pending, done at the next run that is not profiled.

@@ -34,7 +34,7 @@ def _untransposed_weight_grad(graph, grad: Node) -> Node:
     AOT's decomposition of a linear layer yields its weight gradient as the transpose of a matrix
     product, so Inductor hands reduce_grad a transposed view, and copying that into the reduce
     bucket is a strided gather over the whole weight, costlier than the casts and copies of all
-    other gradients together (docs/design.md, "Measured"). The product of the swapped, transposed
+    other gradients together (docs/design/measured.md). The product of the swapped, transposed
     operands is the same matrix, laid out contiguously, at no extra cost: a GEMM takes transposed
     operands for free.
     """

@@ -12,7 +12,7 @@ Gradient partitions are step-local: the runtime allocates a parameter's fp32 par
 first reduction in an accumulation window (during the backward, as its layer finishes) and the
 optimizer drops them all after the step, as ``zero_grad(set_to_none=True)`` does. A persistent
 flat buffer would sit in memory through the forward and the start of the backward, where the
-activations peak (docs/design.md, "Measured").
+activations peak (docs/design/measured.md).
 """
 
 from __future__ import annotations
