@@ -13,6 +13,7 @@ from deepcompile.precision.loss_scaler import found_overflow
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.backward_step import BackwardStep
+from deepcompile.zero import gathered_params
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.materialize import InitFn, still_unset
@@ -61,6 +62,7 @@ class Zero3Sharding(Sharding):
         self.masters_offloadable = masters_offloadable
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
+        gathered_params.register(self)  # deepspeed.zero.GatheredParameters finds these parameters' stage
         if config.compile.optimizer_step_in_backward:
             self.backward_step = BackwardStep(self.optimizer, self.param_names(), self.sub_group_size)
 
@@ -123,6 +125,7 @@ class Zero3Sharding(Sharding):
 
     def close(self) -> None:
         self.eager.remove()
+        gathered_params.unregister(self)
         if self.backward_step is not None:
             self.backward_step.close()
 

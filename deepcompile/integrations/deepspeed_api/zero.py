@@ -5,8 +5,9 @@ Before ``deepspeed.initialize`` nothing is partitioned here: deepcompile partiti
 initialize (taking rank 0's values), so building the model inside ``Init`` makes a full copy on
 each rank, and ``GatheredParameters`` over ordinary tensors has nothing to gather. transformers'
 ZeRO-3 loading initialises and loads weights on rank 0 only (``modifier_rank=0``), which is
-exactly what deepcompile then distributes. Gathering parameters deepcompile has already
-partitioned is not implemented: it is refused, naming the parameters.
+exactly what deepcompile then distributes. After initialize, ZeRO-3 partitioned parameters
+are gathered into their ``.data`` for the block, and a ``modifier_rank``'s changes are written
+back into every rank's shard (zero/gathered_params.py); ZeRO-1/2 parameters are whole already.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.zero.gathered_params import Gathered
 
 
 class Init(contextlib.ContextDecorator):
@@ -43,20 +45,22 @@ def _as_list(params: Any) -> list:
 
 
 class GatheredParameters(contextlib.ContextDecorator):
+    """Collective: every rank enters with the same parameters. ``fwd_module`` (DeepSpeed's
+    hint to its module hooks about who uses the parameters) is ignored: deepcompile's hooks do
+    not track that."""
+
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
                  enabled: bool = True):
-        self.params = _as_list(params) if enabled else []
-        partitioned = [p for p in self.params if hasattr(p, "ds_id")]
-        if partitioned:
-            raise missing(
-                f"deepspeed.zero.GatheredParameters over {len(partitioned)} parameter(s) that deepspeed.initialize "
-                "already partitioned (read full weights with engine._zero3_consolidated_16bit_state_dict(), or change "
-                "the model before initialize)")
+        self._gathered = Gathered(_as_list(params), modifier_rank) if enabled else None
 
     def __enter__(self) -> "GatheredParameters":
+        if self._gathered is not None:
+            self._gathered.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> bool:
+        if self._gathered is not None:
+            self._gathered.__exit__(*exc)
         return False
 
 
