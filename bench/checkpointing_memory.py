@@ -380,7 +380,7 @@ def summary(eager: EagerActivations, results: List[Result]) -> List[str]:
                     f"{'yes' if reduction >= d else 'no'}"
             # D counts the layers' other inputs (rotary cos/sin) as removed, but they are not: the
             # plain layer saves them (counted), the checkpointed one keeps them in its recompute
-            # closure, where saved_tensors_hooks do not see them (tests/test_bench_tools.py).
+            # closure, where saved_tensors_hooks do not see them (tests/bench/test_bench_tools.py).
             removed = d - eager.shared_inputs
             line += f"; >= D - other inputs = {size(removed)} (what checkpointing removes): " \
                     f"{'yes' if reduction >= removed else 'no'} (margin {reduction - removed:+,.0f} bytes)"

@@ -14,7 +14,7 @@ Two namespaces:
 
 Eager code calls the wrappers; graph passes insert the constants as ``call_function`` targets and
 compare node targets against them. No other module reaches ``torch.ops.dc`` or
-``torch.ops.dcact`` (tests/test_ops_registry.py), so renaming or adding an op is one edit here
+``torch.ops.dcact`` (tests/runtime/test_ops_registry.py), so renaming or adding an op is one edit here
 plus its kernel.
 """
 

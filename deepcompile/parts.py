@@ -30,7 +30,7 @@ Where the engine calls each hook::
 Why the order within a point matters: the joint plan is redone before the kinds it plans for act
 on it (``before_step``); the optimizer step in the backward is armed before optimizer-state
 offload starts its reloads (``before_backward``). :data:`ORDER` states the order once;
-``tests/test_parts.py`` holds it.
+``tests/engine/test_parts.py`` holds it.
 
 Loss scaling (fp16) is not a part: it is a value every step reads (the factor of the loss, the
 scale the update divides out, whether the step is skipped), behind one interface with a no-op

@@ -11,7 +11,7 @@ others exit at once, naming it, instead of waiting in a collective (``fault_tole
 config, docs/faults.md); torchrun sees the failed workers and, while ``--max-restarts`` allows,
 starts them all again. Each start prints which attempt it is (``TORCHELASTIC_RESTART_COUNT``) and
 where it resumed; rank 0 ends with a digest of the final parameters, which is bitwise the one of
-a run that was never interrupted (tests/test_faults.py checks it).
+a run that was never interrupted (tests/faults/test_faults.py checks it).
 
 Try it: ``DC_TEST_KILL_AT=backward:5@1`` kills rank 1 with SIGKILL as it starts the backward of
 step 5 on the first attempt (deepcompile/faults/injection.py)::

@@ -6,7 +6,7 @@
 # world size 1 only (the JUnit report gives each test's world sizes).
 #   bash scripts/gpu_check.sh                                  # the whole suite
 #   bash scripts/gpu_check.sh -k stress                        # the whole suite, filtered
-#   bash scripts/gpu_check.sh tests/test_gpu_stress.py -x      # only the files named first
+#   bash scripts/gpu_check.sh tests/runtime/test_gpu_stress.py -x      # only the files named first
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 {

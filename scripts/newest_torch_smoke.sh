@@ -23,17 +23,17 @@ START=$SECONDS
 # frame Dynamo skips, a graph break, a transformers Llama), ZeRO-2 (eager; Inductor on transformers'
 # Qwen2-MoE) and ZeRO-1 (Inductor, bf16, accumulation); the profile-guided ZeRO-3 schedule.
 TESTS=(
-  tests/test_compat.py
+  tests/compat/test_compat.py
   tests/runtime/test_op_schemas.py
-  tests/test_zero3_pass.py
-  "tests/test_zero3_parity.py::test_zero3_parity[mlp-inductor-False]"
-  "tests/test_zero3_parity.py::test_zero3_parity[llama-eager-False]"
-  "tests/test_zero3_parity.py::test_zero3_parity[disabled_forward-eager-True]"
-  "tests/test_zero3_parity.py::test_zero3_parity[graph_break-eager-False]"
-  "tests/test_zero12_parity.py::test_zero12_parity[mlp-eager-2]"
-  "tests/test_zero12_parity.py::test_zero12_qwen2_moe_inductor[2]"
-  tests/test_zero12_parity.py::test_zero1_bf16_accumulation_inductor
-  "tests/test_scheduling.py::test_parity_with_prefetch_and_selective_gather[mlp-inductor-1-False]"
+  tests/compiler/test_zero3_pass.py
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[mlp-inductor-False]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[llama-eager-False]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[disabled_forward-eager-True]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[graph_break-eager-False]"
+  "tests/parity/test_zero12_parity.py::test_zero12_parity[mlp-eager-2]"
+  "tests/parity/test_zero12_parity.py::test_zero12_qwen2_moe_inductor[2]"
+  tests/parity/test_zero12_parity.py::test_zero1_bf16_accumulation_inductor
+  "tests/scheduling/test_scheduling.py::test_parity_with_prefetch_and_selective_gather[mlp-inductor-1-False]"
 )
 
 installed=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")

@@ -2,9 +2,12 @@
 
 * Puts the repository root and this folder on ``sys.path`` (also for spawned ranks, which
   inherit the parent's ``sys.path``), so ``deepcompile`` and the shared helpers in ``_harness/``
-  import without an install, wherever in the repository pytest is started. Test files in
-  subfolders (``runtime/``) have no ``__init__.py``: pytest imports each by its base name with its
-  folder on ``sys.path``, which the spawned ranks inherit too, so their bodies unpickle there.
+  import without an install, wherever in the repository pytest is started. Test files live in
+  one folder per package area (``zero/``, ``offload/``, ...; README.md here) without
+  ``__init__.py``: pytest imports each by its base name, so base names are unique across folders.
+  Every area folder goes on ``sys.path`` too, before collection: a test file may import another's
+  tolerances or models by base name (``from test_zero3_parity import FP32_TOL``) whichever is
+  collected first, and the spawned ranks inherit the path, so their bodies unpickle there.
 * Registers the ``gpu`` marker: tests that need CUDA; they run only with ``DC_TEST_DEVICE=cuda``
   on a machine with GPUs and are skipped (with the reason) otherwise.
 * ``dist_world_size``: module-scoped world size parameter (2 and 3 ranks, or the sizes listed in
@@ -34,6 +37,11 @@ _ROOT = os.path.dirname(_TESTS)
 for _p in (_ROOT, _TESTS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+# The area folders: appended, so a test file's base name never shadows anything else.
+for _entry in sorted(os.scandir(_TESTS), key=lambda e: e.name):
+    if _entry.is_dir() and _entry.name not in ("_harness", "cpp", "fixtures", "__pycache__") and (
+            _entry.path not in sys.path):
+        sys.path.append(_entry.path)
 
 import pytest  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Everything that depends on the torch version or on torch internals, one module per torch area.
 
 Supported: torch 2.11 and 2.12. The rest of the package reaches private torch surface only
-through the names below; each states what it relies on, and ``tests/test_compat.py`` checks each
+through the names below; each states what it relies on, and ``tests/compat/test_compat.py`` checks each
 one, so a torch upgrade that moves something fails there, in a test named after the cause.
 
 * ``aot``: building the aot_autograd backend, the partitioner, and the conventions of the graphs

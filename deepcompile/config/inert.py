@@ -13,7 +13,7 @@ documentation from its row:
 * ``NO_EFFECT``: the key steers something deepcompile has no counterpart for, and no value could
   change what happens; any valid value is accepted, and the row says why.
 
-Every other accepted key is read by the code (``tests/test_config_keys.py`` checks both).
+Every other accepted key is read by the code (``tests/config/test_config_package.py`` checks both).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from deepcompile.config.errors import is_auto
 
 def runtime_config(config) -> Dict[str, Any]:
     """Keyword arguments for :class:`deepcompile.runtime.RuntimeConfig` (the config imports nothing
-    of the runtime; tests/test_config.py checks that the keys are exactly RuntimeConfig's fields)."""
+    of the runtime; tests/config/test_config.py checks that the keys are exactly RuntimeConfig's fields)."""
     c = config.compile
     if is_auto(config.zero_optimization.reduce_bucket_size):
         raise ValueError("zero_optimization.reduce_bucket_size is still \"auto\": resolve the config "

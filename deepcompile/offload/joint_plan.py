@@ -1,6 +1,6 @@
 """One offload plan for activations, optimizer state and master shards, under one memory budget.
 
-Pure arithmetic on byte counts and seconds (tests/test_joint_plan.py); the engine side, which
+Pure arithmetic on byte counts and seconds (tests/offload/test_joint_plan.py); the engine side, which
 gathers the measurements and applies the decision, is ``offload/joint.py``.
 
 Memory. ``fb_floor`` is the forward/backward peak with every candidate off the device and

@@ -1,6 +1,6 @@
 """Which optimizer-state tensors leave the device: a plan under the memory budget.
 
-Pure arithmetic on byte counts, so it is tested on its own (tests/test_offload.py). The runtime
+Pure arithmetic on byte counts, so it is tested on its own (tests/offload/test_offload.py). The runtime
 side (copies, streams, freeing) is ``opt_states.py`` with ``unit_copies.py``.
 
 Model. Between optimizer steps, every tensor the plan keeps *resident* occupies the device through

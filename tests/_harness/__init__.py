@@ -6,7 +6,8 @@
   training that the parity tests compare the engine against;
 * ``offload_gpu``: the training run and readings the GPU offload tests share;
 * ``runtime_reference``: seeded parameters and gradients, the ZeRO layouts and the checks shared by
-  the op tests in ``tests/runtime/``.
+  the op tests in ``tests/runtime/``;
+* ``paths``: the repository's root and ``tests/``, for tests that read its files or run its scripts.
 
 Imported as ``_harness.<module>``: ``tests/conftest.py`` puts ``tests/`` on ``sys.path``, and the
 spawned rank processes inherit that path, so they unpickle the test bodies by the same names.

@@ -1,6 +1,6 @@
-"""The run both GPU offload tests share (tests/test_offload.py, tests/test_param_offload.py).
+"""The run both GPU offload tests share (tests/offload/test_offload.py, tests/offload/test_param_offload.py).
 
-A stack of Linear layers (tests/test_gpu_memory.py) is trained with Inductor twice, without and
+A stack of Linear layers (tests/memory/test_gpu_memory.py) is trained with Inductor twice, without and
 with an offload config; each run returns its losses, its full parameters and the device memory
 settled after step ``early`` and after the last step. An offload run also brings back the units a
 test's check names after step ``early`` and reads that the allocator holds exactly their blocks

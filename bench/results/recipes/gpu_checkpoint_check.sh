@@ -8,6 +8,6 @@ source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tee "$OUT/env.txt"
 gpu_build
 DC_TEST_DEVICE=cuda timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -q -rs \
-  tests/test_checkpoint.py tests/test_sharding_interface.py --junitxml="$OUT/junit.xml" 2>&1 \
+  tests/checkpoint/test_checkpoint.py tests/zero/test_sharding_interface.py --junitxml="$OUT/junit.xml" 2>&1 \
   | tee "$OUT/pytest.log" | tail -40
 exit "${PIPESTATUS[0]}"

@@ -2,7 +2,7 @@
 # One GPU-machine call for activation checkpointing (issue 16 part 3), within the 10-minute limit:
 # build, bench/checkpointing_memory.py (one GPU: ZeRO-3 then ZeRO-1, each plain and checkpointed,
 # the ~1B Llama of train_bench, Inductor), then, if time is left, the parity tests of
-# tests/test_activation_checkpointing.py over NCCL (world size 1 on one GPU). Logs under $OUT:
+# tests/parity/test_activation_checkpointing.py over NCCL (world size 1 on one GPU). Logs under $OUT:
 # ckpt.md (the markdown block), ckpt.json (rewritten after every row), bench.log, pytest.log.
 #
 #   OUT=... bash bench/results/recipes/gpu_checkpointing.sh            # CKPT_STAGES=3 for ZeRO-3 only
@@ -23,7 +23,7 @@ sed -n '/^| run /,$p' "$OUT/bench.log" | head -20
 
 left=$(( ${CALL_BUDGET:-570} - $(elapsed) ))
 if [ "$left" -gt 60 ]; then
-  DC_TEST_DEVICE=cuda timeout "$(( left - 5 ))" python3 -m pytest -q -rs tests/test_activation_checkpointing.py \
+  DC_TEST_DEVICE=cuda timeout "$(( left - 5 ))" python3 -m pytest -q -rs tests/parity/test_activation_checkpointing.py \
     --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest.log"
 else

@@ -7,7 +7,7 @@ set -uo pipefail
 source "$(dirname "$0")/../../../scripts/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 gpu_build
-DC_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -rs tests/test_offload.py -k gpu -p no:cacheprovider \
+DC_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -rs tests/offload/test_offload.py -k gpu -p no:cacheprovider \
   2>&1 | tee "$OUT/pytest_offload.log" | tail -20
 tests=${PIPESTATUS[0]}
 timeout 420 torchrun --nproc-per-node 1 bench/offload_bench.py --markdown "$OUT/offload_bench.md" "$@" \

@@ -19,8 +19,8 @@ gpu_build
 echo "built at $((SECONDS - start)) s"
 
 DC_TEST_DEVICE=cuda timeout "${TESTS_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider -k gpu \
-  tests/test_offload.py tests/test_param_offload.py tests/test_joint_offload.py tests/test_activation_memory.py \
-  tests/test_host_memory.py tests/test_offload_state_access.py --junitxml="$OUT/junit_offload.xml" \
+  tests/offload/test_offload.py tests/offload/test_param_offload.py tests/offload/test_joint_offload.py tests/offload/test_activation_memory.py \
+  tests/offload/test_host_memory.py tests/offload/test_offload_state_access.py --junitxml="$OUT/junit_offload.xml" \
   > "$OUT/pytest_offload.log" 2>&1
 tests=$?
 echo "tests rc=$tests at $((SECONDS - start)) s"; tail -8 "$OUT/pytest_offload.log"
@@ -28,7 +28,7 @@ echo "tests rc=$tests at $((SECONDS - start)) s"; tail -8 "$OUT/pytest_offload.l
 san=0
 left=$(( ${SUITE_S:-560} - (SECONDS - start) ))
 if [ "${SANITIZE:-1}" = 1 ] && [ "$left" -gt 60 ]; then
-  SANITIZER_TIMEOUT=$(( left - 10 )) SANITIZER_PYTEST="tests/test_joint_offload.py -k gpu" \
+  SANITIZER_TIMEOUT=$(( left - 10 )) SANITIZER_PYTEST="tests/offload/test_joint_offload.py -k gpu" \
     bash scripts/gpu_sanitizer.sh 2>&1 | tail -12
   san=${PIPESTATUS[0]}
   echo "sanitizer rc=$san at $((SECONDS - start)) s"

@@ -29,16 +29,16 @@ if [ "${REGIONAL_TESTS:-1}" = 1 ]; then
   # (Node ids, not -k: a -k filter applies to every file, and test_per_layer_compile's names
   # matched none of its words.)
   DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=${TEST_WORLD_SIZES:-1} timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
-    tests/test_per_layer_compile.py tests/test_regional_compile.py tests/runtime \
-    tests/test_zero3_parity.py::test_zero3_parity tests/test_zero3_parity.py::test_zero3_qwen2_moe \
-    tests/test_zero3_parity.py::test_zero3_custom_op_that_cannot_be_compiled \
-    tests/test_zero3_parity.py::test_zero3_forward_that_raises_leaves_no_gathered_copy \
+    tests/compiler/test_per_layer_compile.py tests/compiler/test_regional_compile.py tests/runtime \
+    tests/parity/test_zero3_parity.py::test_zero3_parity tests/parity/test_zero3_parity.py::test_zero3_qwen2_moe \
+    tests/parity/test_zero3_parity.py::test_zero3_custom_op_that_cannot_be_compiled \
+    tests/parity/test_zero3_parity.py::test_zero3_forward_that_raises_leaves_no_gathered_copy \
     > "$OUT/pytest-regional.log" 2>&1
   echo "regional tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-regional.log"
 fi
 if [ "${OFFLOAD_TESTS:-1}" = 1 ]; then
   DC_TEST_DEVICE=cuda timeout "${OFFLOAD_TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -k gpu \
-    tests/test_activation_memory.py tests/test_offload.py tests/test_param_offload.py \
+    tests/offload/test_activation_memory.py tests/offload/test_offload.py tests/offload/test_param_offload.py \
     > "$OUT/pytest-offload.log" 2>&1
   echo "offload GPU tests rc=$? at $(elapsed) s"; tail -5 "$OUT/pytest-offload.log"
 fi

@@ -3,7 +3,7 @@
 # bench/checkpointing_memory.py on the ~1B Llama (micro-batch 8, bf16 gradient partitions,
 # sub-group step, each decoder layer compiled on its own), without and with the option, side by
 # side on two GPUs when there are two (each run on one GPU: per-device peaks), then the tests of
-# tests/test_step_in_backward.py over NCCL at every world size the GPUs allow. Logs under $OUT (few
+# tests/zero/test_step_in_backward.py over NCCL at every world size the GPUs allow. Logs under $OUT (few
 # files: the device tool returns at most 8): regional.json (option off), sib.json (option on),
 # bench-*.log (each ends with its markdown block), pytest.log; with TRACE=1, peaks.txt:
 # bench/memory_peak.py on the allocator history of one more step of every row.
@@ -44,7 +44,7 @@ left=$(( ${CALL_BUDGET:-570} - $(elapsed) ))
 sizes=1; [ "$gpus" -ge 2 ] && sizes=1,2
 if [ "$left" -gt 60 ]; then
   DC_TEST_DEVICE=cuda DC_TEST_WORLD_SIZES=$sizes timeout "$(( left - 5 ))" python3 -m pytest -q -rs \
-    tests/test_step_in_backward.py tests/test_sub_groups.py > "$OUT/pytest.log" 2>&1
+    tests/zero/test_step_in_backward.py tests/zero/test_sub_groups.py > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $(elapsed) s"; tail -8 "$OUT/pytest.log"
 else
   echo "tests skipped: ${left} s left"

@@ -17,7 +17,8 @@ import pytest
 from deepcompile import Config, Engine
 from deepcompile.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness.paths import ROOT
+
 README = (ROOT / "README.md").read_text()
 GUIDE = ROOT / "docs" / "migrating-from-deepspeed.md"
 TOP_COMMANDS = ("bash scripts/setup.sh && torchrun --nproc-per-node 2 examples/train_llama.py",
@@ -198,7 +199,7 @@ def test_the_api_checker_sees_a_missing_name():
 
 def test_hugging_face_snippets_are_copied_from_the_examples_the_tests_run():
     """Each Python block of "From Hugging Face Trainer and accelerate" is a verbatim excerpt of
-    one of the example scripts that tests/test_hf_trainer.py and tests/test_hf_accelerate.py run,
+    one of the example scripts that tests/integrations/test_hf_trainer.py and tests/integrations/test_hf_accelerate.py run,
     so the README cannot show code that no test runs."""
     text = section(README, "From Hugging Face Trainer and accelerate")
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

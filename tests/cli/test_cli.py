@@ -24,8 +24,8 @@ import torch.nn as nn
 
 from _harness.multiproc import run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, batch, make_optimizer, tiny_llama, tiny_qwen2_moe
+from _harness.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "ds_configs")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import pathlib
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
@@ -29,10 +28,11 @@ import torch.nn as nn
 from deepcompile.config import Config, ConfigError
 from deepcompile.config.features import FP16_LOSS_SCALING
 from _harness.multiproc import run_distributed
+from _harness.paths import TESTS
 
 WORLD = 2
 pytestmark = pytest.mark.world_size(WORLD)  # the world size in every test id (conftest.py)
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "ds_configs"
+FIXTURES = TESTS / "fixtures" / "ds_configs"
 
 SOURCES = {
     "hf_transformers_docs_zero3": "https://github.com/huggingface/transformers/blob/main/docs/source/en/deepspeed.md "
@@ -155,7 +155,7 @@ CASES: Dict[str, tuple] = {
 }
 # Checked up to initialize's resolution (below) but not trained on 2 ranks: what they switch on is
 # trained by the other cases (CI time).
-# accelerate's fp16 template trains in tests/test_fp16_training.py's domain once fp16 is accepted.
+# accelerate's fp16 template trains in tests/precision/test_fp16_training.py's domain once fp16 is accepted.
 RESOLVE_ONLY = {"axolotl_zero3_bf16", "ms_swift_zero3", "ms_swift_zero3_offload", "accelerate_zero_stage3_offload"}
 
 
@@ -466,7 +466,7 @@ def _report_body(ctx):
     engine.destroy()
     engine, _ = _run(ctx, {"zero_optimization": {"stage": 1}, "steps_per_print": 3}, steps=3)
     if ctx.rank == 0:
-        # No timing without wall_clock_breakdown (tests/test_step_report.py checks the other values).
+        # No timing without wall_clock_breakdown (tests/engine/test_step_report.py checks the other values).
         assert engine.step_report.last_line.startswith("step 3: lr 0.02 | loss ")
         assert "ms per step" not in engine.step_report.last_line
     assert engine.step_report.totals_ms == {"forward": 0.0, "backward": 0.0, "step": 0.0}

@@ -36,8 +36,9 @@ from typing import Dict, Iterator, List, Set, Tuple
 import pytest
 
 from _harness.source_names import dotted
+from _harness.paths import ROOT
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepcompile")
+PACKAGE = os.path.join(ROOT, "deepcompile")
 EXTENSION = "deepcompile._C"
 
 # Each unit's row: the units (or, where only one module of a unit is meant, "unit.module") it may
@@ -170,7 +171,7 @@ def _where(module: str, line: int) -> str:
 def test_every_unit_has_a_row():
     units = {_unit(m) for m in FILE_OF} - {""}
     missing = sorted(units - set(LAYERS))
-    assert not missing, f"units without a row in LAYERS (tests/test_dependencies.py): {missing}; say what they may import"
+    assert not missing, f"units without a row in LAYERS (tests/project/test_dependencies.py): {missing}; say what they may import"
 
 
 def test_the_table_is_a_layering():
@@ -195,7 +196,7 @@ def test_each_unit_imports_only_what_its_row_allows(unit):
         if not any(relative == a or relative.startswith(a + ".") for a in allowed):
             offenders.append(f"{_where(module, line)}: `{text}` ({unit} -> {_unit(target) or 'deepcompile'})")
     assert not offenders, (f"{unit} may import only {list(allowed) or 'nothing of the package'} "
-                           "(tests/test_dependencies.py, LAYERS):\n  " + "\n  ".join(offenders))
+                           "(tests/project/test_dependencies.py, LAYERS):\n  " + "\n  ".join(offenders))
 
 
 def test_nothing_inside_imports_the_package_front():

@@ -28,7 +28,7 @@ from _harness.multiproc import require_world_size, run_distributed, ws_id
 from _harness.parity_cases import GLOBAL_BATCH, make_optimizer
 
 # The engine trains eagerly here and in the single-process reference, in fp32: only the
-# summation order of the reduced gradient differs (as in tests/test_zero3_parity.py's eager cases).
+# summation order of the reduced gradient differs (as in tests/parity/test_zero3_parity.py's eager cases).
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 VOCAB = 61
 

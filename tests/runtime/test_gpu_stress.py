@@ -174,7 +174,7 @@ def train_engine(ctx, sizes: dict, config: dict, backend: str, steps: int):
 
 def prefetch_groups_ahead(engine) -> int:
     """Prefetch groups the last schedule switch planned ahead of their use, over every graph, read
-    from ``engine.schedule_report()`` (as tests/test_scheduling.py reads it). A report without a
+    from ``engine.schedule_report()`` (as tests/scheduling/test_scheduling.py reads it). A report without a
     switch, or without a prefetch plan for any graph, fails here: the stress must not pass
     quietly with nothing prefetched."""
     report = engine.schedule_report()

@@ -10,6 +10,8 @@ import pathlib
 
 import pytest
 
+from _harness.paths import ROOT
+
 from deepcompile.config import (
     ActivationCheckpointingConfig,
     Bf16Config,
@@ -776,7 +778,7 @@ def test_scheduler_auto_learning_rates():
 
 def test_limits_that_bind_are_accepted():
     # stage3_max_live_parameters / stage3_max_reuse_distance below the model's parameter count
-    # bind, and the planner honours them (tests/test_scheduling.py checks the plans).
+    # bind, and the planner honours them (tests/scheduling/test_scheduling.py checks the plans).
     model = _Model(hidden=16)  # 16*32+32 + 32*3+3 = 643 parameters
     n = sum(p.numel() for p in model.parameters())
     z = lambda **kw: {"zero_optimization": {"stage": 3, **kw}}  # noqa: E731
@@ -876,7 +878,7 @@ def test_bad_scheduler_sections(section, key, words):
 
 
 def _documented_keys():
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    text = (ROOT / "docs" / "config.md").read_text()
     text = text.split("## The table", 1)[1]
     keys = set()
     for line in text.splitlines():

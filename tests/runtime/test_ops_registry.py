@@ -18,8 +18,9 @@ import torch
 from deepcompile import ops
 
 from _harness.source_names import dotted
+from _harness.paths import ROOT
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deepcompile")
+PACKAGE = os.path.join(ROOT, "deepcompile")
 HOME = "ops.py"
 
 

@@ -169,9 +169,10 @@ def test_extension_build_leaves_the_cxx_standard_to_torch():
     so the -std=c++17 setup.py used to pin broke the build of the extension there.
     """
     import ast
-    import pathlib
 
-    setup_py = pathlib.Path(__file__).resolve().parents[1] / "setup.py"
+    from _harness.paths import ROOT
+
+    setup_py = ROOT / "setup.py"
     if not setup_py.exists():
         pytest.skip("no setup.py next to the tests")
     strings = [node.value for node in ast.walk(ast.parse(setup_py.read_text()))

@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _harness.paths import ROOT
 
 
 def test_model_state_bench_tiny_runs_every_phase(tmp_path):
     out = tmp_path / "result.md"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29731",
          os.path.join(ROOT, "bench", "model_state_bench.py"), "--tiny", "--dir", str(tmp_path / "scratch"),

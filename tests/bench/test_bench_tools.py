@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from _harness.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
 
 import memory_peak  # noqa: E402
 import step_trace  # noqa: E402
@@ -101,13 +103,13 @@ def test_checkpointing_memory_runs_on_cpu_and_checkpointing_saves_only_layer_inp
     inputs (hidden states, rotary cos/sin) and what the model saves outside its layers (the eager measure of the same batch); the
     plain one keeps the layer interiors too. Both runs train the same model on the same data, so
     their losses agree (bf16 model: 1e-2 relative covers the rounding of a recomputed forward); a
-    smoke check only: tests/test_activation_checkpointing.py makes the parity claim."""
+    smoke check only: tests/parity/test_activation_checkpointing.py makes the parity claim."""
     import json
     import subprocess
 
     out = tmp_path / "ckpt.json"
     md = tmp_path / "ckpt.md"
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "checkpointing_memory.py")
+    script = os.path.join(ROOT, "bench", "checkpointing_memory.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script,
            "--preset", "tiny", "--stages", "3", "--steps", "1", "--json", str(out), "--markdown", str(md)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -381,9 +383,6 @@ def test_fsdp2_meta_init_writes_every_shard_like_an_unsharded_init():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     run_distributed(_fsdp2_meta_init_body, 1, timeout=300)
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_bench(args, timeout=600):

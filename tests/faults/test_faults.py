@@ -16,15 +16,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from _harness.multiproc import run_distributed
+from _harness.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EXIT = 75  # deepcompile.faults.PEER_FAILED_EXIT_CODE; the tests also check the constant
 SLACK_S = 20.0  # start-up of a loaded 2-core CI machine is not the watchdog's delay; the bound stays finite
 

@@ -19,7 +19,8 @@ from typing import Dict, Iterable, List, Set
 from deepcompile.config.inert import FIXED_VALUE, INERT, NO_EFFECT, OFF_ONLY, handled_without_effect
 from deepcompile.config.root import accepted_keys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _harness.paths import ROOT
+
 PACKAGE = ROOT / "deepcompile"
 CONFIG = PACKAGE / "config"
 # Config modules that define and validate keys: a key named there is not thereby used. The other

@@ -5,17 +5,18 @@ must not leave a reference behind that sends a newcomer nowhere. This reads the 
 starts from and checks every repository path they name, in code spans, fenced blocks and links,
 and every link's section anchor into a Markdown file."""
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness.paths import ROOT
+
 PACKAGE = ROOT / "deepcompile"
 
 # The documents a newcomer reads first; the dated files under bench/results/ are history and keep
 # the paths as they were when the run happened.
 DOCUMENTS = sorted(
-    {ROOT / "README.md", ROOT / "NOTES.md", ROOT / "bench" / "README.md", ROOT / "bench" / "RESULTS.md"}
+    {ROOT / "README.md", ROOT / "NOTES.md", ROOT / "bench" / "README.md", ROOT / "bench" / "RESULTS.md",
+     ROOT / "tests" / "README.md"}
     | set((ROOT / "docs").rglob("*.md"))
 )
 

@@ -33,7 +33,7 @@ LR = 1e-3
 # still moves parameters far beyond FP32_TOL.
 EPS = 1e-3
 # CUDA kernels that add with atomics sum in a varying order: two identical GPU runs differ in the
-# last bits, so there the resumed run is compared at the fp32 tolerance (as tests/test_checkpoint.py).
+# last bits, so there the resumed run is compared at the fp32 tolerance (as tests/checkpoint/test_checkpoint.py).
 RESUME_EXACT = multiproc.test_device_type() == "cpu"
 
 

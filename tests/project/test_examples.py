@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness.paths import ROOT
+
 EXAMPLES = ROOT / "examples"
 # The example scripts this file runs; test_every_example_script_is_run_by_a_test checks that
 # each script under examples/ is run here or named by another test.
@@ -74,7 +75,7 @@ def test_migration_guide_after_code_runs(tmp_path):
     """docs/migrating-from-deepspeed.md's "after" script, as printed, on one CPU process (eager
     backend to keep it fast): trains, evaluates, checkpoints and exports."""
     guide = (ROOT / "docs" / "migrating-from-deepspeed.md").read_text()
-    marker = "<!-- after: tests/test_examples.py runs this block -->"
+    marker = "<!-- after: tests/project/test_examples.py runs this block -->"
     assert marker in guide
     code = guide.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert code.count("engine.compile()") == 1

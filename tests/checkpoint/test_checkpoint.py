@@ -35,7 +35,7 @@ pytestmark = pytest.mark.world_size(2)  # the world size in every test id (conft
 
 # Across world sizes and stages the gradients are summed in another order (other slices per rank,
 # other reduction trees), so fp32 results agree to rounding, not bitwise. The parity suites' fp32
-# tolerance (tests/test_zero3_parity.py) bounds that over a handful of steps: Adam's eps=1e-3
+# tolerance (tests/parity/test_zero3_parity.py) bounds that over a handful of steps: Adam's eps=1e-3
 # (make_optimizer) keeps it from amplifying last-bit differences, while a wrong gradient or a lost
 # optimizer state (Adam restarting its moments) moves the parameters by ~lr = 1e-2.
 CROSS_TOL = dict(rtol=1e-5, atol=1e-6)
