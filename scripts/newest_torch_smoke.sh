@@ -26,14 +26,14 @@ TESTS=(
   tests/compat/test_compat.py
   tests/runtime/test_op_schemas.py
   tests/compiler/test_zero3_pass.py
-  "tests/parity/test_zero3_parity.py::test_zero3_parity[mlp-inductor-False]"
-  "tests/parity/test_zero3_parity.py::test_zero3_parity[llama-eager-False]"
-  "tests/parity/test_zero3_parity.py::test_zero3_parity[disabled_forward-eager-True]"
-  "tests/parity/test_zero3_parity.py::test_zero3_parity[graph_break-eager-False]"
-  "tests/parity/test_zero12_parity.py::test_zero12_parity[mlp-eager-2]"
-  "tests/parity/test_zero12_parity.py::test_zero12_qwen2_moe_inductor[2]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[ws2-mlp-inductor-False]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[ws2-llama-eager-False]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[ws2-disabled_forward-eager-True]"
+  "tests/parity/test_zero3_parity.py::test_zero3_parity[ws2-graph_break-eager-False]"
+  "tests/parity/test_zero12_parity.py::test_zero12_parity[ws2-mlp-eager-2]"
+  "tests/parity/test_zero12_parity.py::test_zero12_qwen2_moe_inductor[ws2-2]"
   tests/parity/test_zero12_parity.py::test_zero1_bf16_accumulation_inductor
-  "tests/scheduling/test_scheduling.py::test_parity_with_prefetch_and_selective_gather[mlp-inductor-1-False]"
+  "tests/scheduling/test_scheduling.py::test_parity_with_prefetch_and_selective_gather[ws2-mlp-inductor-1-False]"
 )
 
 installed=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
