@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples"))
+                                "examples"))  # this file stays in tests/_harness/ (as paths.py)
 from hf_tiny import VOCAB, build_model, token_rows  # noqa: E402
 
 

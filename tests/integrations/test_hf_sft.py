@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _harness import hf_launch
+from _harness import hf_launch, paths
 from _harness.multiproc import require_world_size, run_distributed
 
 pytest.importorskip("trl")
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_harness", "hf_sft_worker.py")
+WORKER = str(paths.TESTS / "_harness" / "hf_sft_worker.py")
 DS_CONFIG = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3.json")
 ROWS, MICRO, WORLD = 16, 2, 2
 STEPS = ROWS // (MICRO * WORLD)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.integrations.deepspeed_api._missing import module_getattr
 from deepcompile.zero.gathered_params import Gathered
 
 
