@@ -128,7 +128,9 @@ def test_kill_points_do_nothing_unless_named(monkeypatch):
     injection.kill_point("save:after_write", 0, before=lambda: calls.append(1))  # no DC_TEST_KILL_AT here
     monkeypatch.setattr(injection, "_TARGET", None)
     injection.arm("save:after_write@1")
-    monkeypatch.delenv(injection.ENV)
+    # arm() exports the point for child processes; popped here, not through monkeypatch.delenv,
+    # whose teardown would put it back and arm every rank that a later test launches.
+    os.environ.pop(injection.ENV)
     injection.kill_point("save:after_write", 0, before=lambda: calls.append(1))  # another rank
     injection.kill_point("save:before_write", 1, before=lambda: calls.append(1))  # another point
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
@@ -342,3 +344,12 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_as_an_uninterrup
         assert torch.equal(got[name], want[name]), f"{name} differs after the restart"
     digest = [line for line in outputs["straight"].splitlines() if "parameter digest" in line]
     assert digest and digest[0] in out
+
+
+def test_no_kill_point_is_left_armed_for_later_tests():
+    """Runs after the kill-point test (file order): nothing it armed may reach the ranks that
+    later tests launch (a leaked DC_TEST_KILL_AT once killed rank 1 of every later checkpoint save
+    in the suite)."""
+    from deepcompile.faults import injection
+
+    assert injection.ENV not in os.environ
