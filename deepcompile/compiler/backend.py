@@ -385,13 +385,12 @@ class _ProfiledCallable:
         checking = bool(self.reduces) and debug_checks.LEDGER is not None
         chain = driver.chain
         if driver.mode is None and not checking:
-            if chain.links:  # the next layer's first gathers, while this one runs
-                chain.launch_after(self.signature[0], int(boxed[self.graph_arg]), self.record.graph_id)
+            if chain.links or chain.counting:  # the next units' first gathers, while this one runs
+                chain.started(self.signature[0], self.record.instances[int(boxed[self.graph_arg])])
             return self.run_compiled(boxed)
         instance = self.record.instances[int(boxed[self.graph_arg])]
         chain.note(self.signature[0], instance)
-        if chain.links:
-            chain.launch_after(self.signature[0], instance.graph_id, self.record.graph_id)
+        chain.started(self.signature[0], instance)
         first = instance.graph_id == self.record.graph_id
         if checking:
             debug_checks.note_reductions(self.reduces if first else instance.ds_ids(self.reduces))

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from deepcompile.compiler import regions as regional_compile
+from deepcompile.compiler.eager_units import EagerUnitHooks
 from deepcompile.compiler.backend import INNER_COMPILERS, DeepCompileBackend
 from deepcompile.compiler import replan
 from deepcompile.zero.sharding import Sharding
@@ -47,6 +48,7 @@ class CompiledModule:
         self._retired: List[DeepCompileBackend] = []
         self._compile_args: Optional[Tuple[str, Dict[str, Any]]] = None
         self._regions: List[nn.Module] = []  # compiled in place (regional compilation)
+        self._eager_units: Optional[EagerUnitHooks] = None  # the eager side as prefetch units (ZeRO-3)
         self._own_backend: Optional[DeepCompileBackend] = None  # the backend of compile()
         self._warned_string_backend = False
         global _ACTIVE
@@ -59,12 +61,12 @@ class CompiledModule:
         (``compiler/regions.py``), the module itself then running eagerly around them."""
         if backend not in INNER_COMPILERS:
             raise ValueError(f"backend must be one of {INNER_COMPILERS}, got {backend!r}")
-        if self._regions:
-            regional_compile.uncompile_regions(self._regions)
-            self._regions = []
+        self._drop_regions()
         if regional is not False:
             self._regions = regional_compile.find_regions(self.module, regional)
             regional_compile.warn_if_layers_differ(self.module)
+            if self.stage == 3:
+                self._eager_units = EagerUnitHooks(self.module, self._regions, self._ds_id_of, self._chain)
         self._compile_args = (backend, dict(torch_compile_kwargs))
         return self._compile()
 
@@ -106,6 +108,16 @@ class CompiledModule:
             )
         return compiled
 
+    def _chain(self) -> Any:
+        return self.driver.chain if self.driver is not None else None
+
+    def _drop_regions(self) -> None:
+        regional_compile.uncompile_regions(self._regions)
+        self._regions = []
+        if self._eager_units is not None:
+            self._eager_units.remove()
+            self._eager_units = None
+
     def backend_for(self, inner: str) -> DeepCompileBackend:
         """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
         if inner not in self._backends:
@@ -125,8 +137,7 @@ class CompiledModule:
         for backend in [*self._backends.values(), *self._retired]:
             backend.detach()
         self._backends, self._retired, self._own_backend = {}, [], None
-        regional_compile.uncompile_regions(self._regions)
-        self._regions = []
+        self._drop_regions()
         self._compile_args = None
         self.driver = None
         self._ds_id_of = {}

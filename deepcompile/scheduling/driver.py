@@ -43,6 +43,7 @@ from deepcompile.profiling.comm_model import CommModel, measure_allgather
 from deepcompile.profiling.graph_profiler import GraphProfile, ProfileAborted, profile_graph
 from deepcompile.scheduling import planner
 from deepcompile.scheduling.instance_chain import InstanceChain
+from deepcompile.scheduling.instance_profiles import merged_profile
 from deepcompile.scheduling.report import ScheduleReport
 from deepcompile.scheduling.schedule import PLAIN, PassSchedule, ScheduleEntry, needs_profile
 
@@ -141,7 +142,7 @@ class ScheduleDriver:
     def prefetch_plan(self, gm: GraphModule, signature: Tuple) -> Optional[planner.PrefetchPlan]:
         if "prefetch" not in self.applied.passes:
             return None
-        profile = self.profiles.get(signature)
+        profile = self._plan_profile(signature)
         return planner.plan_prefetch(
             gm, self.max_group_numel, resident=self._persistent_ids(), profile=profile,
             comm=self.comm, budget_bytes=self.budget_bytes() if profile is not None else None,
@@ -238,6 +239,8 @@ class ScheduleDriver:
         self.applied = entry
         if "prefetch" in entry.passes:
             self.chain.build(self.group, self.device)  # collective, like the budget below
+            self.chain.set_profiled_peaks({(p.phase, p.graph_id): p.peak_bytes
+                                           for p in self.profiles.values() if p.complete})
             self.chain.budget_bytes = self.budget_bytes()
             self.chain.max_live_numel = self.max_live_numel
         else:
@@ -272,11 +275,22 @@ class ScheduleDriver:
         """The prefetch plans the recompile will make (same inputs, so the same plans)."""
         return {
             sig: planner.plan_prefetch(gm, self.max_group_numel, resident=self._persistent_ids(),
-                                       profile=self.profiles.get(sig), comm=self.comm,
+                                       profile=self._plan_profile(sig), comm=self.comm,
                                        budget_bytes=self.budget_bytes(), max_live_numel=self.max_live_numel,
                                        kept_numel=self._kept_numel())
             for sig, gm in self.graphs.items() if sig in self.profiles
         }
+
+    def _plan_profile(self, signature: Tuple) -> Optional[GraphProfile]:
+        """The profile a graph is planned from: for a graph several instances share, merged
+        over the instances (``instance_profiles.py``), since they all run its plan."""
+        profile = self.profiles.get(signature)
+        if profile is None or not profile.complete:
+            return profile
+        ids = self.chain.instances_of.get((profile.phase, profile.graph_id), ())
+        others = [p for p in self.profiles.values() if p.phase == profile.phase and p.graph_id in ids
+                  and p.graph_id != profile.graph_id]
+        return merged_profile(profile, others) if others else profile
 
     def _prefetch_extra(self) -> int:
         """The most bytes any planned prefetch holds ahead of its use."""
