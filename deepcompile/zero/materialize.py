@@ -22,6 +22,9 @@ Where a parameter's value comes from:
 * no ``init_fn``, rank 0's parameter is real (CPU or device): rank 0's values are broadcast, one
   parameter at a time, so differently seeded ranks still train one model and ranks that built the
   model on ``meta`` receive rank 0's weights.
+* no ``init_fn``, a ``meta`` parameter carrying a preset value (attribute :data:`PRESET_VALUE`,
+  set by the served ``deepspeed.zero.Init``: each rank holds a slice of it): the full value is
+  ``preset.full(device)`` (collective, one parameter at a time).
 * no ``init_fn``, rank 0's parameter is on ``meta``: its value is unknown; it is filled with NaN
   and listed in :attr:`Materialized.unset_params` until a loader writes every shard and calls
   ``Sharding.sync_params_from_shards()`` (:func:`still_unset`); the engine refuses to run a
@@ -49,6 +52,10 @@ import torch.nn as nn
 from deepcompile import compat
 
 InitFn = Callable[[nn.Module], None]
+
+# A meta parameter's attribute holding its value elsewhere: an object whose ``full(device)``
+# returns the full tensor (collective; integrations/deepspeed_api/zero_init.py sets it).
+PRESET_VALUE = "_dc_preset_value"
 
 
 def training_device(model: nn.Module, device: Union[str, torch.device, None],
@@ -228,6 +235,9 @@ def materialize(model: nn.Module, device: torch.device, group: Optional[dist.Pro
 
 def _parameter_value(p: nn.Parameter, device: torch.device, group, init_fn, meta_on_rank0: bool,
                      unset: Materialized, first_name: Dict[int, str]) -> torch.Tensor:
+    preset = p.__dict__.pop(PRESET_VALUE, None)  # popped: _install copies the attributes over
+    if init_fn is None and preset is not None:
+        return preset.full(device)
     if init_fn is not None or meta_on_rank0:
         if init_fn is None:
             unset.unset_params.append(first_name[id(p)])

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
+from deepcompile.integrations.deepspeed_api import zero_init
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.comm import init_distributed
 from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSpeedEngine
@@ -49,6 +50,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if model is None:
         raise ValueError("deepspeed.initialize needs a model")
     init_distributed()
+    # Parameters built inside deepspeed.zero.Init: each rank holds a slice; the engine gathers
+    # them one at a time as it partitions (zero_init.py).
+    never_set = zero_init.hand_over(model)
+    if never_set:
+        raise ValueError(f"deepspeed.initialize: parameters {never_set} were built inside deepspeed.zero.Init and "
+                         "never given a value (deepcompile keeps the values a module's own constructor sets, and "
+                         "those written under zero.GatheredParameters(..., modifier_rank=...))")
     from deepcompile.config import Config
 
     config = Config.from_any(cfg)

@@ -1,13 +1,14 @@
 """``deepspeed.zero``: ``Init`` and ``GatheredParameters`` as transformers uses them while it
 builds and loads a model under ZeRO-3.
 
-Before ``deepspeed.initialize`` nothing is partitioned here: deepcompile partitions at
-initialize (taking rank 0's values), so building the model inside ``Init`` makes a full copy on
-each rank, and ``GatheredParameters`` over ordinary tensors has nothing to gather. transformers'
-ZeRO-3 loading initialises and loads weights on rank 0 only (``modifier_rank=0``), which is
-exactly what deepcompile then distributes. After initialize, ZeRO-3 partitioned parameters
-are gathered into their ``.data`` for the block, and a ``modifier_rank``'s changes are written
-back into every rank's shard (zero/gathered_params.py); ZeRO-1/2 parameters are whole already.
+Inside ``Init`` parameters become *deferred* as their modules are built: each rank keeps only its
+slice of their values until ``deepspeed.initialize`` (zero_init.py says how), so no rank holds a
+full copy of the model between build and training. ``GatheredParameters`` over deferred
+parameters gives every rank their full values for the block and keeps ``modifier_rank``'s on exit:
+transformers loads the weights files on rank 0 and initialises missing weights through it. After
+initialize, ZeRO-3 partitioned parameters are gathered into their ``.data`` for the block, and a
+``modifier_rank``'s changes are written back into every rank's shard (zero/gathered_params.py);
+ZeRO-1/2 parameters are whole already.
 """
 
 from __future__ import annotations
@@ -17,22 +18,50 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from deepcompile.integrations.deepspeed_api._missing import module_getattr
+from deepcompile.integrations.deepspeed_api import comm
+from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.integrations.deepspeed_api.zero_init import Building, DeferredGather, defer, preset_of
 from deepcompile.zero.gathered_params import Gathered
 
 
 class Init(contextlib.ContextDecorator):
-    """Accepts DeepSpeed's arguments; the model built inside is an ordinary module."""
+    """Parameters of the modules built inside are deferred (zero_init.py), keeping rank 0's
+    values. ``module=``: an already built module's parameters are deferred on entry.
+    ``remote_device``, ``pin_memory`` and ``config_dict_or_path`` are accepted and change nothing
+    (the values wait on the CPU; the engine places them); ``dtype`` is refused (the model keeps
+    the dtype it is built in, and the engine casts per its precision policy)."""
+
+    _building: Optional[Building] = None  # the outermost Init's; nested ones add nothing
 
     def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
                  remote_device: Any = None, pin_memory: bool = False, config_dict_or_path: Any = None,
                  config: Any = None, enabled: bool = True, dtype: Any = None, mpu: Any = None, **kwargs: Any):
+        if dtype is not None:
+            raise missing("deepspeed.zero.Init(dtype=...)")
+        if mpu is not None:
+            raise missing("deepspeed.zero.Init(mpu=...)")
         self.enabled = enabled
+        self.group = data_parallel_group
+        self._owns_building = False
+        if enabled and module is not None:
+            comm.init_distributed()
+            for p in module.parameters():
+                if preset_of(p) is None:
+                    defer(p, self.group)
 
     def __enter__(self) -> "Init":
+        if self.enabled and Init._building is None:
+            comm.init_distributed()  # as DeepSpeed's Init: building is collective
+            Init._building = Building(self.group)
+            Init._building.start()
+            self._owns_building = True
         return self
 
     def __exit__(self, *exc: Any) -> bool:
+        if self._owns_building:
+            building, Init._building = Init._building, None
+            self._owns_building = False
+            building.finish(failed=exc[0] is not None)
         return False
 
 
@@ -51,16 +80,20 @@ class GatheredParameters(contextlib.ContextDecorator):
 
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
                  enabled: bool = True):
-        self._gathered = Gathered(_as_list(params), modifier_rank) if enabled else None
+        params = _as_list(params) if enabled else []
+        # Deferred (built inside Init, before initialize) and partitioned (after) parameters.
+        self._blocks = [DeferredGather(params, modifier_rank), Gathered(params, modifier_rank)] if enabled else []
+        self._entered: list = []
 
     def __enter__(self) -> "GatheredParameters":
-        if self._gathered is not None:
-            self._gathered.__enter__()
+        for block in self._blocks:
+            block.__enter__()
+            self._entered.append(block)
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        if self._gathered is not None:
-            self._gathered.__exit__(*exc)
+        while self._entered:
+            self._entered.pop().__exit__(*exc)
         return False
 
 

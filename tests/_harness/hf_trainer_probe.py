@@ -1,0 +1,120 @@
+"""examples/hf_trainer.py run unchanged, with test probes around the served ``deepspeed.initialize``.
+
+    torchrun ... tests/_harness/hf_trainer_probe.py --probe-out P [--poison-step N --poison-rank R] -- <example args>
+
+Every rank writes ``P.rank<r>.json``:
+
+* ``at_initialize``: how each parameter was held when Trainer called ``deepspeed.initialize``
+  (built inside the served ``zero.Init`` or not, the bytes its ``.data`` owns, the elements of
+  its value this rank holds) and the total element count of the model;
+* ``buffers``: every buffer of the model after ``initialize`` (rotary ``inv_freq`` among them);
+* ``scales``: per optimizer step, the loss scale, ``optimizer.overflow`` and a checksum of this
+  rank's parameter values after the step (what a skipped step leaves unchanged);
+* with ``--poison-step N``: on rank R, the gradient of the embedding output at training
+  micro-step N (counted from 0) holds an inf, so that step overflows on that rank only.
+
+Probes are command-line arguments, not environment variables: nothing leaks into the pytest
+process or the next launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import runpy
+import sys
+
+import deepcompile
+
+deepcompile.serve_as_deepspeed()
+
+import deepspeed  # noqa: E402  (deepcompile's, served)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from deepcompile.integrations.deepspeed_api import zero_init  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "examples", "hf_trainer.py")
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; the backward writes inf into one element of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = math.inf
+        return grad
+
+
+def _held(model: torch.nn.Module) -> dict:
+    held = zero_init.held_elements(model)
+    params = {}
+    for name, p in model.named_parameters():
+        params[name] = {"deferred": name in held, "data_bytes": p.untyped_storage().nbytes(),
+                        "held_elements": held.get(name, p.numel()), "numel": p.numel()}
+    return params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--probe-out", required=True)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--poison-rank", type=int, default=1)
+    ours, rest = sys.argv[1:], []
+    if "--" in ours:
+        cut = ours.index("--")
+        ours, rest = ours[:cut], ours[cut + 1:]
+    args = parser.parse_args(ours)
+    record: dict = {"scales": []}
+    real_initialize = deepspeed.initialize
+
+    def initialize(*a, **kw):
+        model = kw.get("model")
+        record["at_initialize"] = _held(model)
+        if args.poison_step >= 0:
+            micro = {"n": 0}
+
+            def poison(module, inputs, out):
+                if not (module.training and torch.is_grad_enabled()):
+                    return out
+                step, micro["n"] = micro["n"], micro["n"] + 1
+                hit = step == args.poison_step and dist.get_rank() == args.poison_rank
+                return _PoisonGrad.apply(out) if hit else out
+
+            model.get_input_embeddings().register_forward_hook(poison)
+        engine, optimizer, loader, scheduler = real_initialize(*a, **kw)
+        record["buffers"] = {n: b.tolist() for n, b in engine.module.named_buffers()}
+        real_step = engine.step
+
+        def step(*sa, **skw):
+            before = (engine.global_steps, engine.skipped_steps)
+            real_step(*sa, **skw)
+            if (engine.global_steps, engine.skipped_steps) != before:  # an optimizer step, applied or skipped
+                shards = engine.engine.sharding.shards()
+                record["scales"].append({"scale": float(engine.optimizer.cur_scale),
+                                         "overflow": bool(engine.optimizer.overflow),
+                                         "checksum": sum(float(s.local.double().sum()) for s in shards)})
+
+        engine.step = step
+        return engine, optimizer, loader, scheduler
+
+    deepspeed.initialize = initialize
+    sys.argv = [EXAMPLE, *rest]
+    try:
+        runpy.run_path(EXAMPLE, run_name="__main__")
+    finally:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(f"{args.probe_out}.rank{rank}.json", "w") as f:
+            json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()
