@@ -1,12 +1,12 @@
 """One rank of the two-launcher job that tests/parity/test_multinode_launch.py starts through
 ``_harness/two_nodes.py``: torchrun runs this file as the training script on each "node".
 
-    --mode train --zero JSON --steps N --backend eager --out FILE
-        trains the parity suites' tiny Llama with deepcompile (the ``zero_optimization`` section
+    --mode train --model NAME --zero JSON --steps N --backend eager --out FILE
+        trains a model of the parity suites (``_harness/parity_cases.py``) with deepcompile (the ``zero_optimization`` section
         given as JSON, so the sharding layout is the caller's parameter) on this rank's slice of
         every global batch; rank 0 writes the losses, gradient norms and final parameters, and
         every rank's view of the launch (its launcher's pid, node and local rank, the rendezvous
-        id), to FILE.
+        id) and the runtime's bytes per link of the last step (where it counts them), to FILE.
     --mode fail --fail-rank R
         the launch machinery alone: rank R raises as soon as it is started, the others sleep, so
         a test can check that one failing launcher ends the whole job instead of leaving the
@@ -54,11 +54,13 @@ def train(args) -> None:
     dist.all_gather_object(views, launch_view())
     config = {"zero_optimization": json.loads(args.zero),
               "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size()}
-    result, engine = train_engine("llama", args.steps, config, args.backend, torch.device("cpu"))
+    result, engine = train_engine(args.model, args.steps, config, args.backend, torch.device("cpu"))
+    # The runtime's bytes per link of the last step, where the runtime counts them (hybrid sharding).
+    comm_bytes = getattr(engine.step_report, "comm_bytes", None)
     engine.destroy()
     if dist.get_rank() == 0:
         torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "params": result.params,
-                    "launch": views}, args.out)
+                    "launch": views, "comm_bytes": comm_bytes}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -75,6 +77,7 @@ def fail(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["train", "fail"], required=True)
+    parser.add_argument("--model", default="mlp", help="a model name of _harness/parity_cases.py")
     parser.add_argument("--zero", default='{"stage": 3}', help="the zero_optimization section, as JSON")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--backend", default="eager", choices=["eager", "inductor"])

@@ -1,7 +1,7 @@
 """Two launchers as two nodes: the multi-node launch the README documents, on one host.
 
 Two ``torchrun --nnodes 2 --node-rank 0|1 --nproc-per-node 2`` launchers meet through a c10d
-rendezvous on localhost (``_harness/two_nodes.py``) and train the parity suites' tiny Llama on 4
+rendezvous on localhost (``_harness/two_nodes.py``) and train a model of the parity suites on 4
 gloo ranks (``_harness/multinode_worker.py``); the losses, the gradient norm of every step and the
 final parameters must match single-process training on the same global batches. The sharding
 layout is the one parameter between the cases: plain ZeRO-3 over all 4 ranks, and hybrid sharding
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ import torch
 from deepcompile import Config
 from deepcompile.config import ConfigError
 
-from _harness.parity_cases import RunResult, assert_parity, train_reference
-from _harness.paths import TESTS
+from _harness.parity_cases import RunResult, assert_parity, build_model, train_reference
+from _harness.paths import ROOT, TESTS
 from _harness.two_nodes import LaunchFailure, TwoNodeJob, is_running
 from test_zero3_parity import FP32_TOL
 
@@ -35,6 +36,10 @@ HYBRID_READY = False
 
 WORKER = str(TESTS / "_harness" / "multinode_worker.py")
 NPROC_PER_NODE = 2
+# The launch is what is under test here (the parity suites cover the models): the parity suites'
+# MLP keeps four ranks' start-up on a small CI machine short (no transformers import, one tiny
+# graph); MODEL = "llama" runs the tiny Llama instead.
+MODEL = "mlp"
 STEPS = 3
 # Generous: four ranks and two launchers share the CI machine's cores. A failed launcher ends the
 # wait at once; this only bounds a job that hangs.
@@ -43,7 +48,7 @@ JOB_TIMEOUT_S = 300
 def train_on_two_nodes(tmp_path, zero: dict):
     """Run the two-launcher job with this ``zero_optimization`` section; rank 0's saved record."""
     out = tmp_path / "result.pt"
-    job = TwoNodeJob(WORKER, ["--mode", "train", "--zero", json.dumps(zero), "--steps", str(STEPS),
+    job = TwoNodeJob(WORKER, ["--mode", "train", "--model", MODEL, "--zero", json.dumps(zero), "--steps", str(STEPS),
                               "--backend", "eager", "--out", str(out)], nproc_per_node=NPROC_PER_NODE)
     job.wait(JOB_TIMEOUT_S)
     assert not job.running(), f"processes of the job still running: {job.running()}"
@@ -71,7 +76,7 @@ def assert_matches_single_process(record: dict) -> None:
     got = RunResult(record["losses"], record["params"], record["grad_norms"])
     # The same tolerance as the eager ZeRO-3 parity suite: fp32, and the sharded reduction sums
     # the ranks' gradients in another order than one process's backward does.
-    assert_parity(got, train_reference("llama", STEPS), **FP32_TOL)
+    assert_parity(got, train_reference(MODEL, STEPS), **FP32_TOL)
 
 
 @pytest.mark.world_size(4)
@@ -95,6 +100,26 @@ def test_hybrid_ready_says_whether_the_config_has_hybrid_sharding():
         + f": set HYBRID_READY = {not HYBRID_READY} in {__file__}")
 
 
+def assert_replica_bytes_are_the_plan_model_s(counted: dict, shard: int, nodes: int) -> None:
+    """The runtime's counts of the last step against bench/multinode_model.py, the model
+    docs/design/multi-node-plan.md's numbers come from: the gradient reduce-scatter on the shard
+    link and the partitions' all-reduce on the replica link, for the model's parameters,
+    each padded to a multiple of the shard group as the runtime shards them. (The gathers depend
+    on which parameters stay gathered, so they are not compared.)"""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from multinode_model import Layout, step_collectives
+
+    padded = sum(-(-p.numel() // shard) * shard for p in build_model(MODEL).parameters())
+    predicted = {(c.link, c.kind): c for c in step_collectives(padded, Layout(nodes, NPROC_PER_NODE, shard))}
+    assert set(counted) == {"shard", "replica"}, counted
+    assert counted["shard"]["ranks"] == shard and counted["replica"]["ranks"] == nodes, counted
+    assert counted["shard"]["reduce_scatter"] == predicted["shard", "reduce_scatter"].payload, counted
+    replica = predicted["replica", "all_reduce"]
+    assert counted["replica"]["all_reduce"] == replica.payload, counted
+    assert counted["replica"]["wire"] == round(replica.wire), counted
+    assert not any(counted["replica"][k] for k in ("all_gather", "reduce_scatter", "reduce")), counted
+
+
 if HYBRID_READY:
     # Defined only when hybrid sharding exists: until then there is no case to run, and a skipped
     # test would read as covered.
@@ -103,6 +128,7 @@ if HYBRID_READY:
         job, record = train_on_two_nodes(tmp_path, {"stage": 3, "mics_shard_size": NPROC_PER_NODE})
         assert_one_rendezvous(job, record["launch"])
         assert_matches_single_process(record)
+        assert_replica_bytes_are_the_plan_model_s(record["comm_bytes"], NPROC_PER_NODE, nodes=2)
 
 
 @pytest.mark.world_size(4)
