@@ -20,6 +20,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
+# examples/hf_trainer.py with test probes around deepspeed.initialize (hf_trainer_probe.py says which)
+TRAINER_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer_probe.py")
 LAUNCH_TIMEOUT_S = 600
 
 

@@ -92,6 +92,7 @@ def main() -> None:
             model.get_input_embeddings().register_forward_hook(poison)
         engine, optimizer, loader, scheduler = real_initialize(*a, **kw)
         record["buffers"] = {n: b.tolist() for n, b in engine.module.named_buffers()}
+        record["fp16"] = engine.fp16_enabled()
         real_step = engine.step
 
         def step(*sa, **skw):

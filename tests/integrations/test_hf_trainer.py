@@ -94,23 +94,71 @@ def test_trainer_resume_from_checkpoint_continues_exactly(runs):
     assert resumed["eval"]["eval_loss"] == full["eval"]["eval_loss"]
 
 
+def _from_pretrained_runs(base, name, model_path, extra=()):
+    """examples/hf_trainer.py --model-path on 2 ranks (through the probe, which records how each
+    rank held the parameters when Trainer called deepspeed.initialize, and the buffers after it)
+    and in one process without DeepSpeed, which builds the model fully from the same files."""
+    args = ["--model-path", str(model_path), *extra]
+    hf_launch.torchrun(hf_launch.TRAINER_PROBE, ["--probe-out", str(base / f"{name}_probe"), "--",
+                                                 "--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), *args,
+                                                 *_common(base / f"{name}_ds.json", base / f"{name}_ds")], nproc=WORLD)
+    hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD), *args,
+                           *_common(base / f"{name}_ref.json", base / f"{name}_ref")], env=hf_launch.launch_env())
+    probes = [hf_launch.read_json(f"{base / name}_probe.rank{r}.json") for r in range(WORLD)]
+    return hf_launch.read_json(base / f"{name}_ds.json"), hf_launch.read_json(base / f"{name}_ref.json"), probes
+
+
+def _assert_only_slices_held(probes):
+    """Between from_pretrained (inside deepspeed.zero.Init) and deepspeed.initialize no rank held
+    the model: every parameter was deferred, its .data owned one element (the placeholder), and
+    each rank held exactly its ceil(numel / world) elements of the value."""
+    for rank, probe in enumerate(probes):
+        params = probe["at_initialize"]
+        assert params, rank
+        for name, p in params.items():
+            assert p["deferred"] and p["data_bytes"] <= 8, (rank, name, p)
+            assert p["held_elements"] == -(-p["numel"] // WORLD), (rank, name, p)
+
+
 def test_trainer_from_pretrained_and_gradient_checkpointing_match_single_process(runs):
-    """The model comes from from_pretrained after TrainingArguments (transformers then builds it
-    inside deepspeed.zero.Init and loads rank 0's weights through zero.GatheredParameters), and
-    Trainer turns on gradient checkpointing; the run still matches the same script without
-    DeepSpeed in one process."""
-    base, pretrained = runs["base"], str(runs["ref_dir"] / "model")
-    extra = ["--model-path", pretrained, "--gradient-checkpointing"]
-    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), *extra,
-                                 *_common(base / "gc_ds.json", base / "gc_ds")], nproc=WORLD)
-    hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD), *extra,
-                           *_common(base / "gc_ref.json", base / "gc_ref")], env=hf_launch.launch_env())
-    ds, ref = hf_launch.read_json(base / "gc_ds.json"), hf_launch.read_json(base / "gc_ref.json")
+    """The model comes from from_pretrained after TrainingArguments: transformers builds it inside
+    the served deepspeed.zero.Init (each rank keeps a slice of every parameter) and loads the
+    files on rank 0 through zero.GatheredParameters(modifier_rank=0); Trainer turns on gradient
+    checkpointing. The run matches the same script without DeepSpeed in one process (which
+    builds the whole model from the same files), no rank held the model before initialize, and
+    the rotary inv_freq (a buffer the files do not hold) is transformers' own, bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    base, pretrained = runs["base"], runs["ref_dir"] / "model"
+    ds, ref, probes = _from_pretrained_runs(base, "gc", pretrained, ["--gradient-checkpointing"])
     assert _per_step(ds, "loss")[0] < _per_step(runs["ds"], "loss")[0] - 0.3  # started from the trained weights
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(_per_step(ds, key)), torch.tensor(_per_step(ref, key)), **TOL,
                                    msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(ds["eval"]["eval_loss"], ref["eval"]["eval_loss"], **TOL)
+    _assert_only_slices_held(probes)
+    own = dict(AutoModelForCausalLM.from_pretrained(pretrained).named_buffers())
+    assert "model.rotary_emb.inv_freq" in own
+    for probe in probes:
+        assert probe["buffers"].keys() == own.keys()
+        for name, value in own.items():
+            assert torch.equal(torch.tensor(probe["buffers"][name], dtype=value.dtype), value), name
+
+
+def test_trainer_qwen2_moe_from_pretrained_loads_slices(tmp_path):
+    """Qwen2-MoE from_pretrained under ZeRO-3: transformers converts the per-expert tensors of the
+    files into its fused expert parameters while it loads on rank 0; the served zero.Init keeps
+    each rank's slice of the converted values. Losses and grad norms match the run without
+    DeepSpeed from the same files, and no rank held the model before initialize."""
+    tiny = hf_launch.examples_module("hf_tiny")
+    folder = tmp_path / "qwen2_moe"
+    tiny.build_model(seed=1, arch="qwen2_moe").save_pretrained(folder)
+    ds, ref, probes = _from_pretrained_runs(tmp_path, "moe_fp", folder)
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(_per_step(ds, key)), torch.tensor(_per_step(ref, key)), **TOL,
+                                   msg=lambda m: f"{key}: {m}")
+    _assert_only_slices_held(probes)
+    assert any(".experts." in name for name in probes[0]["at_initialize"])
 
 
 def test_trainer_config_with_optimizer_and_scheduler_sections(runs):
