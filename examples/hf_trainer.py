@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
     p.add_argument("--eval-only", action="store_true", help="only evaluate (ZeRO inference), no training")
+    p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (the config's fp16 \"auto\" follows it)")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -62,6 +63,7 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
         gradient_checkpointing=args.gradient_checkpointing,
+        fp16=args.fp16,
     )
     # After TrainingArguments, as in transformers' examples: under ZeRO-3, from_pretrained then
     # builds the model inside deepspeed.zero.Init.
