@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 
 from deepcompile import debug_checks, runtime
-from deepcompile.memory.budget import MemoryBudget
+from deepcompile.memory.budget import MemoryBudget, local_memory_budget
 from deepcompile.offload import optimizer_state_offload
 from deepcompile.offload.activations import activation_memory
-from deepcompile.offload.joint import joint_offload, measured_compute
+from deepcompile.offload.joint import measured_compute, memory_planner
+from deepcompile.offload.sides import ScheduleSide
 from deepcompile.step_report import StepReport
 
 # The hooks, in the order the loop reaches them (see above).
@@ -198,21 +199,22 @@ class DebugChecksPart(Part):
             debug_checks.install(None)
 
 
-class JointOffloadPart(Part):
-    """One offload plan for every kind that is on (offload/joint.py), redone after a schedule
-    switch; before the kinds act on it."""
+class MemoryPlannerPart(Part):
+    """The memory planner (offload/joint.py) where the joint plan is on (optimizer-state or
+    parameter offload): what is resident when the schedule profiles, the plan redone after a
+    schedule switch, before the kinds act on it; its report. (The planner's other points are
+    where the kinds report to it: ``OptimizerStateOffloadPart``, ``ActivationsPart``.)"""
 
     name = "joint_offload"
 
-    def __init__(self, joint: Any, schedule: Any):
-        self.feature = joint
-        self.schedule = schedule
+    def __init__(self, planner: Any):
+        self.feature = planner
 
     def before_forward(self, moment, args, kwargs):
         self.feature.note_micro_step(moment.schedule_mode)
 
     def before_step(self, moment):
-        self.feature.at_schedule_switch(self.schedule)
+        self.feature.at_schedule_switch()
 
     def report(self, into):
         into["offload_plan"] = self.feature.report()
@@ -233,12 +235,15 @@ class BackwardStepPart(Part):
 
 class OptimizerStateOffloadPart(Part):
     """``compile.offload_opt_states`` / ``zero_optimization.offload_optimizer`` and parameter
-    offload (offload/opt_states.py)."""
+    offload (offload/opt_states.py). After the update the offload finds what the step created or
+    replaced, the memory planner decides from it whether to plan, then the units are written back
+    as planned."""
 
     name = "optimizer_state_offload"
 
-    def __init__(self, offload: Any):
+    def __init__(self, offload: Any, planner: Any):
         self.feature = offload
+        self.planner = planner
 
     def before_backward(self, moment, loss, tokens):
         self.feature.before_backward(moment.boundary)
@@ -247,7 +252,8 @@ class OptimizerStateOffloadPart(Part):
         self.feature.before_step()
 
     def after_update(self, moment):
-        self.feature.after_step()
+        self.planner.after_state_change(self.feature.after_step())
+        self.feature.write_back()
 
     def report(self, into):
         into["optimizer_state_offload"] = self.feature.report()
@@ -257,19 +263,23 @@ class OptimizerStateOffloadPart(Part):
 
 
 class ActivationsPart(Part):
-    """``compile.free_activation`` / ``compile.offload_activation`` (offload/activations.py)."""
+    """``compile.free_activation`` / ``compile.offload_activation`` (offload/activations.py).
+    ``planner``: the memory planner when activation offload is on (it plans at the activations'
+    point of the step, after the other kinds' ``before_step``), else None."""
 
     name = "activations"
 
-    def __init__(self, activations: Any):
+    def __init__(self, activations: Any, planner: Any = None):
         self.feature = activations
+        self.planner = planner
 
     def begin_micro_step(self, moment):
         self.feature.check_runs_compiled(moment.compiled)
         self.feature.begin_micro_step()
 
     def before_step(self, moment):
-        self.feature.before_step(moment.global_steps)
+        if self.planner is not None:
+            self.planner.at_activation_window(moment.global_steps)
 
     def report(self, into):
         into["activations"] = self.feature.report()
@@ -279,7 +289,7 @@ class ActivationsPart(Part):
 
 
 # The order of every hook, stated once: each point calls the parts that are on in this order.
-ORDER = (StepReportPart, DebugChecksPart, JointOffloadPart, BackwardStepPart, OptimizerStateOffloadPart,
+ORDER = (StepReportPart, DebugChecksPart, MemoryPlannerPart, BackwardStepPart, OptimizerStateOffloadPart,
          ActivationsPart)
 
 
@@ -291,24 +301,28 @@ def build_parts(config: Any, *, sharding: Any, schedule: Any, step_report: StepR
     ``step_report``: the engine's; ``budget``: the device memory every planner keeps to;
     ``loss_scaling``: fp16's loss scaling is on (the debug checks then allow overflows).
 
-    Built in the order the features depend on each other (the joint plan takes the two kinds it
+    Built in the order the features depend on each other (the memory planner takes the kinds it
     plans for), then listed in :data:`ORDER`."""
     micro_steps = config.gradient_accumulation_steps
+    if budget is None:
+        budget = local_memory_budget(config.compile, device)
     built: List[Part] = [StepReportPart(step_report, group)]
     # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
     offload = optimizer_state_offload(config, sharding, device, group, budget)
+    units = offload.side if offload is not None else None
+    # compile.free_activation / offload_activation (offload/activations.py); its floor leaves the
+    # optimizer-state side's resident units out (the plan counts them as their own).
+    activations = activation_memory(config, device, budget,
+                                    resident_elsewhere=units.resident_bytes if units is not None else None)
+    # One owner of the offload plan and of when it is made (offload/joint.py), whenever a kind
+    # it plans is on; the pass schedule is a side of it too.
+    planner = memory_planner(units, activations, ScheduleSide(schedule, device.type == "cuda"), budget, micro_steps,
+                             lambda: measured_compute(schedule, step_report, micro_steps), device, group)
     if offload is not None:
-        built.append(OptimizerStateOffloadPart(offload))
-    # compile.free_activation / offload_activation (offload/activations.py).
-    activations = activation_memory(config, device, budget)
+        built.append(OptimizerStateOffloadPart(offload, planner))
+        built.append(MemoryPlannerPart(planner))
     if activations is not None:
-        built.append(ActivationsPart(activations))
-    # Optimizer-state/parameter offload (and activation offload beside them): one plan
-    # (offload/joint.py).
-    joint = joint_offload(offload, activations, micro_steps,
-                          lambda: measured_compute(schedule, step_report, micro_steps))
-    if joint is not None:
-        built.append(JointOffloadPart(joint, schedule))
+        built.append(ActivationsPart(activations, planner))
     if sharding.backward_step is not None:  # compile.optimizer_step_in_backward
         built.append(BackwardStepPart(sharding.backward_step))
     if config.compile.debug_checks:

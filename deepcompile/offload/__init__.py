@@ -1,12 +1,14 @@
 """Offloading: moving training state to host memory and back (issue 18).
 
-Today: optimizer-state offload (``opt_states.py``) of units (``units.py``), planned per tensor
-under the memory budget (``plan.py``), copied (``unit_copies.py``) on two lanes (``lanes.py``) into
-host buffers (``host_memory.py``), which are released once a unit stays on the device
-(``host_release.py``).
-Parameter offload rides on optimizer-state offload; activation offload has its ops and plan
-(``activation_ops.py``, ``activations.py``); with more than one kind on, ``joint.py`` makes one
-plan for all of them (``joint_plan.py``).
+Today: optimizer-state offload (``opt_states.py``: the step sequencing; ``opt_state_plan.py``: its
+planning side; ``opt_state_access.py``: its state read where it is) of units (``units.py``),
+planned per tensor under the memory budget (``plan.py``), copied (``unit_copies.py``) on two lanes
+(``lanes.py``) into host buffers (``host_memory.py``), which are released once a unit stays on the
+device (``host_release.py``).
+Parameter offload rides on optimizer-state offload; activation offload has its ops and state
+(``activation_ops.py``, ``activations.py``). One owner, the memory planner (``joint.py``), decides
+when a plan is made and makes it (``joint_plan.py``, ``plan.py``) over every kind, each behind one
+protocol (``sides.py``).
 """
 
 from __future__ import annotations

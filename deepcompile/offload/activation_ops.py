@@ -90,7 +90,8 @@ class ActivationOffloader:
     and on a CPU device without a budget).
     """
 
-    def __init__(self, device: torch.device, pin_memory: bool):
+    def __init__(self, device: torch.device, pin_memory: bool,
+                 resident_elsewhere: Optional[Callable[[], int]] = None):
         self.device = device
         self.pin_memory = bool(pin_memory) and device.type == "cuda"
         self.lanes = CopyLanes(device)
@@ -105,7 +106,7 @@ class ActivationOffloader:
         # Bytes of other offloadable state on the device now (optimizer-state and parameter
         # offload's resident units), left out of the floor: the joint plan (offload/joint.py)
         # counts them as its own candidates. None: nothing left out.
-        self.resident_elsewhere: Optional[Callable[[], int]] = None
+        self.resident_elsewhere = resident_elsewhere
         self._runs_now: Dict[int, int] = {}  # runs per key in the current micro-step
         self._order_now: List[Tuple[int, int]] = []  # (key, run) in the order they ran
         # Per (key, run), the fraction of the last complete micro-step's offload sites that ran

@@ -13,30 +13,32 @@ else ``memory_budget_fraction`` of the GPU; a CPU device has one only with ``mem
 activations may stay on the device: the plan offloads the fewest bytes, largest first, that bring
 the rest under that (``offload/plan.py``, the arithmetic of optimizer-state offload). Without a
 budget everything stays offloaded. With optimizer-state or parameter offload on too, the plan at
-that step is instead the joint one (``offload/joint.py``), which weighs the activations against
-the optimizer state and master shards. The plan is a set of (site key, run) pairs the ops
-consult at run time (a site of a graph shared by several layers runs once per layer): no
-recompile.
+that step is instead the joint one, which weighs the activations against the optimizer state and
+master shards. When to plan, and the plan, are the memory planner's (``offload/joint.py``); this
+module measures the floor and closes the window (``close_window``). The plan is a set of (site
+key, run) pairs the ops consult at run time (a site of a graph shared by several layers runs once
+per layer): no recompile.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from deepcompile.memory.budget import MemoryBudget, local_memory_budget
 from deepcompile.offload import activation_ops, bandwidth
-from deepcompile.offload.plan import plan_offload
 
 # On a GPU, copies under 1 MiB are dominated by launch latency and save little: not candidates.
 MIN_OFFLOAD_BYTES_CUDA = 1 << 20
 
 
 class ActivationMemory:
-    def __init__(self, compile_config: Any, device: torch.device, budget: Optional[MemoryBudget] = None):
+    def __init__(self, compile_config: Any, device: torch.device, budget: Optional[MemoryBudget] = None,
+                 resident_elsewhere: Optional[Callable[[], int]] = None):
         """``budget``: the engine's, agreed over the ranks (without one, this rank's own under the
-        same rule: a planner built alone)."""
+        same rule: a planner built alone). ``resident_elsewhere``: the bytes of the other offload
+        kinds' candidates on the device now, left out of the floor (``ActivationOffloader``)."""
         self.device = device
         self.free = bool(compile_config.free_activation)
         self.free_threshold = int(compile_config.free_activation_threshold)
@@ -47,9 +49,9 @@ class ActivationMemory:
         self.budget, self.budget_name = budget.bytes, budget.source
         self.planned_after_step: Optional[int] = None
         self.floor_bytes: Optional[int] = None
-        self.joint = None  # offload/joint.py, when optimizer-state or parameter offload is on too
         if compile_config.offload_activation:
-            self.offloader = activation_ops.ActivationOffloader(device, compile_config.offload_activation_pin_memory)
+            self.offloader = activation_ops.ActivationOffloader(device, compile_config.offload_activation_pin_memory,
+                                                                resident_elsewhere=resident_elsewhere)
             activation_ops.activate(self.offloader)
 
     @property
@@ -72,30 +74,19 @@ class ActivationMemory:
     def bytes_per_s(self) -> float:
         return bandwidth.host_to_device_bytes_per_s(self.device)
 
-    def before_step(self, global_steps: int) -> None:
-        """Before optimizer step ``global_steps``: plan at the second one."""
-        o = self.offloader
-        if o is None or self.planned_after_step is not None or global_steps < 1:
-            return
+    def close_window(self, global_steps: int) -> None:
+        """The provisional window (every candidate offloaded) ends before optimizer step
+        ``global_steps``: its floor is the plan's measurement (the memory planner decides when)."""
         self.planned_after_step = global_steps
-        self.floor_bytes = o.observed_peak
-        o.sample = False
-        if self.joint is not None:
-            # One plan with optimizer state and master shards (offload/joint.py); the floor left
-            # their resident units out.
-            self.joint.replan("activation floor of two windows measured")
-            return
-        if self.budget is None:
-            return  # no budget: everything stays offloaded
-        runs = o.planning_runs()
-        plan = plan_offload([s.nbytes for s, _ in runs], self.budget - self.floor_bytes, 0.0)
-        o.plan = {(s.key, run) for (s, run), off in zip(runs, plan.offloaded) if off}
+        self.floor_bytes = self.offloader.observed_peak
+        self.offloader.sample = False
 
     def report(self) -> Dict[str, Any]:
         o = self.offloader
         bps = self.bytes_per_s() if o is not None and o.stats else None
         tensors = o.report(bps) if o is not None else []
-        offloaded = sum(t["offloaded_bytes"] for t in tensors)
+        stats = list(o.stats.values()) if o is not None else []
+        offloaded = sum(s.nbytes * o.planned_runs(s) for s in stats)
         return {
             "free_activation": self.free,
             "free_activation_threshold_bytes": self.free_threshold,
@@ -107,7 +98,7 @@ class ActivationMemory:
             "floor_bytes": self.floor_bytes,
             "h2d_bytes_per_s": bps,
             "offloaded_bytes": offloaded,
-            "resident_bytes": sum(t["bytes"] - t["offloaded_bytes"] for t in tensors),
+            "resident_bytes": sum(s.bytes_per_micro_step for s in stats) - offloaded,
             "predicted_transfer_ms_per_step": 2e3 * offloaded / bps if bps else 0.0,
             "tensors": tensors,
         }
@@ -118,9 +109,9 @@ class ActivationMemory:
         self.offloader = None
 
 
-def activation_memory(config: Any, device: torch.device,
-                      budget: Optional[MemoryBudget] = None) -> Optional[ActivationMemory]:
+def activation_memory(config: Any, device: torch.device, budget: Optional[MemoryBudget] = None,
+                      resident_elsewhere: Optional[Callable[[], int]] = None) -> Optional[ActivationMemory]:
     cc = config.compile
     if not (cc.free_activation or cc.offload_activation):
         return None
-    return ActivationMemory(cc, device, budget)
+    return ActivationMemory(cc, device, budget, resident_elsewhere)

@@ -163,37 +163,64 @@ def transfer_seconds(kind: str, nbytes: int, link: Link, micro_steps: int = 1) -
     return nbytes * (2 * micro_steps * h2d + d2h)
 
 
-def plan_jointly(candidates: Sequence[Candidate], budget: Optional[int], fb_floor: int, step_floor: int,
-                 streams: bool, link: Link, compute: ComputeTimes, micro_steps: int = 1,
-                 min_state_fraction: float = 0.0, budget_name: str = "the memory budget") -> JointPlan:
-    """Choose what to offload among ``candidates``.
+@dataclasses.dataclass(frozen=True)
+class _Choices:
+    """The plan's arithmetic over one set of candidates: per choice (``flags``, one per candidate:
+    offloaded), the bytes per kind, the two peaks and the exposed transfer time."""
 
-    ``budget``: device bytes (None: no budget, offload every eligible candidate, as each planner
-    alone does without one). ``streams``: resident optimizer state and masters count against the
-    step's peak too. ``min_state_fraction``: the least fraction of the eligible optimizer-state
-    bytes to offload whatever the budget (``offload_optimizer.ratio``).
-    """
-    n = len(candidates)
-    movable = [c.eligible or c.forced for c in candidates]
-    out = [c.forced for c in candidates]
-    if budget is None:
-        out = list(movable)
-    else:
-        # Must hold whatever is offloaded: the least any plan needs.
-        fixed = sum(c.nbytes for c, m in zip(candidates, movable) if not m)
-        fixed_step = sum(c.nbytes for c, m in zip(candidates, movable) if not m and c.kind != ACTIVATION)
-        minimum = max(fb_floor + fixed, step_floor + (fixed_step if streams else 0))
-        if budget < minimum:
-            off = sorted({c.kind for c, m in zip(candidates, movable) if not m})
-            raise OffloadBudgetError(
-                f"offload: the memory budget ({budget_name} = {budget} bytes) is smaller than the smallest plan, "
-                f"which needs {minimum} bytes on the device with every movable tensor on the host "
-                f"(forward/backward without them: {fb_floor} bytes; the optimizer step: {step_floor} bytes"
-                + (f"; kept on the device because their offload kind is off: {fixed} bytes of {', '.join(off)}"
-                   if fixed else "")
-                + f"). Raise the budget to at least {minimum} bytes, turn more offload kinds on, or reduce the batch "
-                "or the model")
-    # offload_optimizer.ratio: that much optimizer state goes first, largest first.
+    candidates: Sequence[Candidate]
+    budget: Optional[int]
+    fb_floor: int
+    step_floor: int
+    streams: bool
+    link: Link
+    compute: ComputeTimes
+    micro_steps: int
+
+    def bytes_by_kind(self, flags: Sequence[bool], want: bool) -> Dict[str, int]:
+        d = {k: 0 for k in KINDS}
+        for c, f in zip(self.candidates, flags):
+            if f == want:
+                d[c.kind] += c.nbytes
+        return d
+
+    def peaks(self, flags: Sequence[bool]) -> Tuple[int, int]:
+        res = self.bytes_by_kind(flags, False)
+        fb = self.fb_floor + sum(res.values())
+        step = self.step_floor + ((res[OPTIMIZER_STATE] + res[MASTER]) if self.streams else 0)
+        return fb, step
+
+    def exposed(self, moved: Dict[str, int], flags: Sequence[bool]) -> float:
+        # Offloaded optimizer state reloads during the backward only within the headroom.
+        early = None if self.budget is None else max(0, self.budget - max(self.peaks(flags)))
+        placed = [(c.nbytes, c.position) for c, f in zip(self.candidates, flags) if f and c.kind == ACTIVATION] \
+            if moved.get(ACTIVATION) else None
+        return exposed_seconds(moved, self.link, self.compute, self.micro_steps, self.streams, early, placed)
+
+
+def _check_minimum(candidates: Sequence[Candidate], movable: Sequence[bool], budget: int, fb_floor: int,
+                   step_floor: int, streams: bool, budget_name: str) -> None:
+    """Raise :class:`OffloadBudgetError` when even the smallest plan (everything movable offloaded)
+    does not fit ``budget``."""
+    # Must hold whatever is offloaded: the least any plan needs.
+    fixed = sum(c.nbytes for c, m in zip(candidates, movable) if not m)
+    fixed_step = sum(c.nbytes for c, m in zip(candidates, movable) if not m and c.kind != ACTIVATION)
+    minimum = max(fb_floor + fixed, step_floor + (fixed_step if streams else 0))
+    if budget < minimum:
+        off = sorted({c.kind for c, m in zip(candidates, movable) if not m})
+        raise OffloadBudgetError(
+            f"offload: the memory budget ({budget_name} = {budget} bytes) is smaller than the smallest plan, "
+            f"which needs {minimum} bytes on the device with every movable tensor on the host "
+            f"(forward/backward without them: {fb_floor} bytes; the optimizer step: {step_floor} bytes"
+            + (f"; kept on the device because their offload kind is off: {fixed} bytes of {', '.join(off)}"
+               if fixed else "")
+            + f"). Raise the budget to at least {minimum} bytes, turn more offload kinds on, or reduce the batch "
+            "or the model")
+
+
+def _offload_state_share(candidates: Sequence[Candidate], movable: Sequence[bool], out: List[bool],
+                         min_state_fraction: float) -> None:
+    """``offload_optimizer.ratio``: that much optimizer state goes first, largest first (in ``out``)."""
     state = [i for i, c in enumerate(candidates) if c.kind == OPTIMIZER_STATE and movable[i]]
     need_state = math.ceil(min_state_fraction * sum(candidates[i].nbytes for i in state))
     moved_state = sum(candidates[i].nbytes for i in state if out[i])
@@ -204,67 +231,75 @@ def plan_jointly(candidates: Sequence[Candidate], budget: Optional[int], fb_floo
             out[i] = True
             moved_state += candidates[i].nbytes
 
-    def bytes_by_kind(flags: Sequence[bool], want: bool) -> Dict[str, int]:
-        d = {k: 0 for k in KINDS}
-        for c, f in zip(candidates, flags):
-            if f == want:
-                d[c.kind] += c.nbytes
-        return d
 
-    def exposed(moved: Dict[str, int], flags: Sequence[bool]) -> float:
-        # Offloaded optimizer state reloads during the backward only within the headroom.
-        early = None if budget is None else max(0, budget - max(peaks(flags)))
-        placed = [(c.nbytes, c.position) for c, f in zip(candidates, flags) if f and c.kind == ACTIVATION] \
-            if moved.get(ACTIVATION) else None
-        return exposed_seconds(moved, link, compute, micro_steps, streams, early, placed)
+def _cheapest_next(choices: _Choices, movable: Sequence[bool], out: Sequence[bool], kinds: Sequence[str],
+                   missing: int) -> int:
+    """The candidate (of ``kinds``, not yet offloaded) whose offload adds the least exposed time
+    per byte saved (see the module docstring for the ties and the pick within a kind)."""
+    candidates = choices.candidates
+    base = choices.exposed(choices.bytes_by_kind(out, True), out)
+    best = None
+    for rank, kind in enumerate(KINDS):
+        if kind not in kinds:
+            continue
+        left = [i for i in range(len(candidates)) if movable[i] and not out[i] and candidates[i].kind == kind]
+        if not left:
+            continue
+        finishing = [i for i in left if candidates[i].nbytes >= missing]
+        # Among equal sizes the earliest activation: it has the most compute around it.
+        pick = (min(finishing, key=lambda i: (candidates[i].nbytes, candidates[i].position, i)) if finishing
+                else min(left, key=lambda i: (-candidates[i].nbytes, candidates[i].position, i)))
+        size = max(candidates[pick].nbytes, 1)
+        flags = list(out)
+        flags[pick] = True
+        extra = choices.exposed(choices.bytes_by_kind(flags, True), flags) - base
+        # Relative rounding (1e-12 s per byte) must not decide between kinds that both hide.
+        score = (round(extra / size, 15), round(transfer_seconds(kind, 1, choices.link, choices.micro_steps), 18),
+                 rank)
+        if best is None or score < best[0]:
+            best = (score, pick)
+    assert best is not None, "the budget check guarantees a movable candidate"
+    return best[1]
 
-    def peaks(flags: Sequence[bool]):
-        res = bytes_by_kind(flags, False)
-        fb = fb_floor + sum(res.values())
-        step = step_floor + ((res[OPTIMIZER_STATE] + res[MASTER]) if streams else 0)
-        return fb, step
 
+def plan_jointly(candidates: Sequence[Candidate], budget: Optional[int], fb_floor: int, step_floor: int,
+                 streams: bool, link: Link, compute: ComputeTimes, micro_steps: int = 1,
+                 min_state_fraction: float = 0.0, budget_name: str = "the memory budget") -> JointPlan:
+    """Choose what to offload among ``candidates``.
+
+    ``budget``: device bytes (None: no budget, offload every eligible candidate, as each planner
+    alone does without one). ``streams``: resident optimizer state and masters count against the
+    step's peak too. ``min_state_fraction``: the least fraction of the eligible optimizer-state
+    bytes to offload whatever the budget (``offload_optimizer.ratio``).
+    """
+    movable = [c.eligible or c.forced for c in candidates]
+    out = [c.forced for c in candidates]
+    if budget is None:
+        out = list(movable)
+    else:
+        _check_minimum(candidates, movable, budget, fb_floor, step_floor, streams, budget_name)
+    _offload_state_share(candidates, movable, out, min_state_fraction)
+    choices = _Choices(candidates, budget, fb_floor, step_floor, streams, link, compute, micro_steps)
     if budget is not None:
         while True:
-            fb, step = peaks(out)
+            fb, step = choices.peaks(out)
             fb_missing, step_missing = fb - budget, step - budget
             if fb_missing <= 0 and step_missing <= 0:
                 break
             # The step's peak is lowered only by what it holds: optimizer state and masters.
             kinds = (OPTIMIZER_STATE, MASTER) if step_missing > 0 else KINDS
             missing = step_missing if step_missing > 0 else fb_missing
-            base = exposed(bytes_by_kind(out, True), out)
-            best = None
-            for rank, kind in enumerate(KINDS):
-                if kind not in kinds:
-                    continue
-                left = [i for i in range(n) if movable[i] and not out[i] and candidates[i].kind == kind]
-                if not left:
-                    continue
-                finishing = [i for i in left if candidates[i].nbytes >= missing]
-                # Among equal sizes the earliest activation: it has the most compute around it.
-                pick = (min(finishing, key=lambda i: (candidates[i].nbytes, candidates[i].position, i)) if finishing
-                        else min(left, key=lambda i: (-candidates[i].nbytes, candidates[i].position, i)))
-                size = max(candidates[pick].nbytes, 1)
-                flags = list(out)
-                flags[pick] = True
-                extra = exposed(bytes_by_kind(flags, True), flags) - base
-                # Relative rounding (1e-12 s per byte) must not decide between kinds that both hide.
-                score = (round(extra / size, 15), round(transfer_seconds(kind, 1, link, micro_steps), 18), rank)
-                if best is None or score < best[0]:
-                    best = (score, pick)
-            assert best is not None, "the budget check above guarantees a movable candidate"
-            out[best[1]] = True
+            out[_cheapest_next(choices, movable, out, kinds, missing)] = True
 
-    moved = bytes_by_kind(out, True)
-    total = exposed(moved, out)
+    moved = choices.bytes_by_kind(out, True)
+    total = choices.exposed(moved, out)
     by_kind = {}
     for kind in KINDS:
         # What the step would save without this kind's copies (same peaks, so the same headroom).
-        by_kind[kind] = total - exposed(dict(moved, **{kind: 0}), out)
-    fb, step = peaks(out)
+        by_kind[kind] = total - choices.exposed(dict(moved, **{kind: 0}), out)
+    fb, step = choices.peaks(out)
     return JointPlan(
-        offloaded=out, offloaded_bytes=moved, resident_bytes=bytes_by_kind(out, False),
+        offloaded=out, offloaded_bytes=moved, resident_bytes=choices.bytes_by_kind(out, False),
         transfer_s={k: transfer_seconds(k, moved[k], link, micro_steps) for k in KINDS},
         exposed_s=by_kind, exposed_total_s=total, predicted_fb_peak=fb, predicted_step_peak=step,
         headroom=None if budget is None else budget - max(fb, step))

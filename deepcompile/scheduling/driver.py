@@ -28,7 +28,6 @@ reducing them twice, so that case raises on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -44,21 +43,10 @@ from deepcompile.profiling.graph_profiler import GraphProfile, ProfileAborted, p
 from deepcompile.scheduling import planner
 from deepcompile.scheduling.instance_chain import InstanceChain
 from deepcompile.scheduling.instance_profiles import merged_profile
-from deepcompile.scheduling.report import ScheduleReport
+from deepcompile.scheduling.report import ScheduleReport, SwitchPeaks
 from deepcompile.scheduling.schedule import PLAIN, PassSchedule, ScheduleEntry, needs_profile
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SwitchPeaks:
-    """The peaks around the last schedule switch, for those who re-plan when it moved: the most
-    a graph's profile showed before the switch and, with ``compile.verify_plan``, the most the
-    switched graphs were measured at (None: not measured, which is not a peak of 0)."""
-
-    step: int  # the optimizer step the switch took effect at
-    profiled_peak_bytes: int
-    measured_peak_bytes: Optional[int]
 
 
 class ScheduleDriver:
@@ -323,13 +311,7 @@ class ScheduleDriver:
     def last_switch(self) -> Optional[SwitchPeaks]:
         """The last switch's peaks once they are final (after its verify micro-step, if one is
         due); None before any switch."""
-        current = self.report.current
-        if current is None or self._verify_pending:
-            return None
-        graphs = current["graphs"]
-        measured = [g["measured_peak_bytes"] for g in graphs if g["measured_peak_bytes"] is not None]
-        return SwitchPeaks(current["step"], max((g["profiled_peak_bytes"] or 0 for g in graphs), default=0),
-                           max(measured) if measured else None)
+        return None if self._verify_pending else self.report.switch_peaks()
 
     def budget_bytes(self) -> Optional[int]:
         """The bytes the plans keep to; None: no limit (a CPU device without

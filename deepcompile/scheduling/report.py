@@ -23,11 +23,23 @@ the model and optimizer state), the graph's own working set on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from deepcompile.profiling.graph_profiler import GraphProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchPeaks:
+    """The peaks around the last schedule switch, for those who re-plan when it moved: the most
+    a graph's profile showed before the switch and, with ``compile.verify_plan``, the most the
+    switched graphs were measured at (None: not measured, which is not a peak of 0)."""
+
+    step: int  # the optimizer step the switch took effect at
+    profiled_peak_bytes: int
+    measured_peak_bytes: Optional[int]
 
 
 def _mib(n: Optional[int]) -> str:
@@ -183,6 +195,15 @@ class ScheduleReport:
             if prof is not None and prof.complete:
                 g["measured_peak_bytes"] = prof.peak_bytes
         self._emit()
+
+    def switch_peaks(self) -> Optional[SwitchPeaks]:
+        """The peaks of the last switch as far as they are known (None: no switch yet)."""
+        if self.current is None:
+            return None
+        graphs = self.current["graphs"]
+        measured = [g["measured_peak_bytes"] for g in graphs if g["measured_peak_bytes"] is not None]
+        return SwitchPeaks(self.current["step"], max((g["profiled_peak_bytes"] or 0 for g in graphs), default=0),
+                           max(measured) if measured else None)
 
     # ---- output -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from deepcompile import debug_checks, parts
+from deepcompile.memory.budget import MemoryBudget
 from deepcompile.scheduling.report import ScheduleReport
 from deepcompile.step_report import StepReport
 
@@ -37,6 +38,7 @@ class _Feature:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
         self.offload = True  # the activation side takes part in the joint plan
+        self.side = self  # optimizer-state offload's planning side (offload/opt_state_plan.py)
 
     def __getattr__(self, method):
         if method.startswith("__"):
@@ -48,15 +50,17 @@ def _build(monkeypatch, every=True):
     calls = []
     monkeypatch.setattr(parts, "optimizer_state_offload",
                         lambda *a: _Feature("offload", calls) if every else None)
-    monkeypatch.setattr(parts, "activation_memory", lambda *a: _Feature("activations", calls) if every else None)
-    monkeypatch.setattr(parts, "joint_offload",
-                        lambda offload, act, *a: _Feature("joint", calls) if offload is not None else None)
+    monkeypatch.setattr(parts, "activation_memory",
+                        lambda *a, **k: _Feature("activations", calls) if every else None)
+    monkeypatch.setattr(parts, "memory_planner",
+                        lambda units, act, *a: _Feature("planner", calls) if units is not None else None)
     config = SimpleNamespace(gradient_accumulation_steps=2, compile=SimpleNamespace(debug_checks=every))
     sharding = SimpleNamespace(backward_step=_Feature("backward_step", calls) if every else None,
                                param_names=lambda: {0: "w"})
     report = StepReport(steps_per_print=10**9, wall_clock_breakdown=False, rank=0, device=torch.device("cpu"))
     built = parts.build_parts(config, sharding=sharding, schedule=SimpleNamespace(), step_report=report,
-                              device=torch.device("cpu"), group=None, budget=None, loss_scaling=False)
+                              device=torch.device("cpu"), group=None, budget=MemoryBudget(None, "none"),
+                              loss_scaling=False)
     return built, calls
 
 
@@ -79,7 +83,14 @@ def test_the_engine_calls_the_hooks_of_a_point_in_order(monkeypatch):
         moment = parts.Moment(global_steps=1, boundary=True)
         for hook in parts.hooks_at(built)["before_step"]:
             hook(moment)
-        assert calls == ["joint.at_schedule_switch", "offload.before_step", "activations.before_step"]
+        # The planner redoes the plan before the kinds act; it plans the activations at their point
+        # (after optimizer-state offload's before_step), when they report to it.
+        assert calls == ["planner.at_schedule_switch", "offload.before_step", "planner.at_activation_window"]
+        calls.clear()
+        for hook in parts.hooks_at(built)["after_update"]:
+            hook(moment)
+        # The offload finds what the step did, the planner decides, then the units are written back.
+        assert calls == ["offload.after_step", "planner.after_state_change", "offload.write_back"]
         calls.clear()
         for hook in parts.hooks_at(built)["before_backward"]:
             hook(moment, torch.tensor(1.0), None)
@@ -100,7 +111,7 @@ def test_parts_add_their_sections_to_the_schedule_report(monkeypatch):
         schedule = ScheduleReport(SimpleNamespace(report_dir=None, debug_log=False, verify_plan=True), 0, {})
         schedule.contributors = built
         sections = schedule.as_dict()
-        assert sections == {"offload_plan": {"from": "joint"}, "optimizer_state_offload": {"from": "offload"},
+        assert sections == {"offload_plan": {"from": "planner"}, "optimizer_state_offload": {"from": "offload"},
                             "activations": {"from": "activations"}}
     finally:
         for hook in parts.hooks_at(built)["close"]:

@@ -118,18 +118,24 @@ def test_reload_of_a_freed_tensor_without_host_copy_is_an_error(offloader):
 def test_plan_keeps_what_the_budget_allows_largest_offloaded_first(offloader):
     from types import SimpleNamespace
 
+    from deepcompile.memory.budget import MemoryBudget
     from deepcompile.offload.activations import ActivationMemory
+    from deepcompile.offload.joint import memory_planner
 
     cfg = SimpleNamespace(free_activation=False, free_activation_threshold=0, offload_activation=True,
                           offload_activation_pin_memory=True, memory_budget_bytes=1000, memory_budget_fraction=0.9)
     mem = ActivationMemory(cfg, torch.device("cpu"))
+    # Activation offload alone: the memory planner decides when, and plans the activations by
+    # their bytes alone (no collective: no process group is needed).
+    planner = memory_planner(None, mem, None, MemoryBudget(mem.budget, mem.budget_name), 1, lambda: None,
+                             torch.device("cpu"), None)
     try:
         o = mem.offloader
         for key, n in ((1, 600), (2, 300), (3, 200)):
             o.offload(torch.zeros(n // 4), key)
-        mem.before_step(0)
+        planner.at_activation_window(0)
         assert o.plan is None  # not before the second optimizer step
-        mem.before_step(1)
+        planner.at_activation_window(1)
         # 1100 bytes, at most 1000 - floor (0 on a CPU device) stay: offloading 200 suffices
         # (the smallest that alone covers what is missing, as the optimizer-state plan does).
         assert o.plan == {(3, 0)}  # (key, run): each key ran once per micro-step

@@ -202,7 +202,8 @@ def _check_window(engine):
     """While fresh state replaces the old one (reset_optimizer_state), no planned-out state unit
     stays on the device beyond the one being taken over: the load's device window is one unit."""
     off = engine.offload
-    original = off.state_replaced
+    access = off.access  # the stage's Sharding.state_access (offload/opt_state_access.py)
+    original = access.state_replaced
     calls = []
 
     def checked(ds_ids):
@@ -212,7 +213,7 @@ def _check_window(engine):
                 if u.planned_out and u.device_bytes.untyped_storage().nbytes() != 0]
         assert not held, held
 
-    off.state_replaced = checked
+    access.state_replaced = checked
     return calls
 
 
