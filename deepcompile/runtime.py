@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import time
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -150,11 +151,24 @@ def reset() -> None:
     _C.reset()
 
 
+# How long the exit gives the process group's worker threads to finish with the GIL.
+COLLECTIVE_THREADS_GRACE_S = 0.05
+
+
 def _cleanup_at_exit() -> None:
     # The C++ runtime is never torn down by static destructors (NCCL and CUDA may already be
     # gone then); release it while the interpreter still runs.
     if _C.is_initialized():
         _C.cleanup()
+    # gloo's worker threads drop their references to a finished collective's tensors after the
+    # caller has moved on; where that frees a Python tensor they wait for the GIL. A worker still
+    # waiting once the interpreter finalizes is ended by CPython with a forced unwind, which C++
+    # turns into std::terminate (an abort at exit). This is the last atexit hook to run (registered
+    # first): releasing the GIL for a moment here lets such a worker finish while it still can.
+    # zero/gather_full.py holds the tensors of the usual last collective (save_model's gathers),
+    # so this only covers others.
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(COLLECTIVE_THREADS_GRACE_S)
 
 
 atexit.register(_cleanup_at_exit)

@@ -23,7 +23,7 @@ from deepcompile import compat
 from deepcompile.faults import process_hooks
 from deepcompile.faults.injection import kill_point
 from deepcompile.faults.restartable import init_process_group
-from deepcompile.faults.watchdog import PEER_FAILED_EXIT_CODE, FaultWatchdog, store_connection
+from deepcompile.faults.watchdog import PEER_FAILED_EXIT_CODE, FaultWatchdog, store_call_limit, store_connection
 
 __all__ = ["FaultWatchdog", "PEER_FAILED_EXIT_CODE", "init_process_group", "kill_point", "stop_watching",
            "watch_ranks"]
@@ -43,7 +43,7 @@ def watch_ranks(settings, group: Optional[dist.ProcessGroup] = None, owner: Any 
     # test process, a launcher's store kept across restarts) are never read as this one's.
     run_id = [uuid.uuid4().hex[:16] if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(run_id, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    watchdog = FaultWatchdog(store_connection(compat.default_store(), settings.timeout_s / 4),
+    watchdog = FaultWatchdog(store_connection(compat.default_store(), store_call_limit(settings.timeout_s)),
                              run_id[0], dist.get_rank(group), world_size, settings.timeout_s)
     process_hooks.register(watchdog)
     if owner is not None:

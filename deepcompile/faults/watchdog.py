@@ -35,6 +35,17 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.1, timeout_s / 10.0))
 
 
+def store_call_limit(timeout_s: float) -> float:
+    """How long one store call of the watchdog may block: two heartbeats, at least 2 s. The calls
+    (set, check, get of a key known to exist, compare_set) are answered at once by a live server,
+    so a call that takes longer means the server is gone or frozen, which the watchdog already
+    judges by time since the last answer. The bound matters at exit: a watchdog thread still
+    inside a store call when the interpreter finalizes aborts the whole process when the call
+    returns (CPython ends such a thread with a forced unwind that C++ turns into
+    ``std::terminate``), so the exit waits for these calls, and never for long."""
+    return max(2.0, 2.0 * heartbeat_interval(timeout_s))
+
+
 def watched_ranks(rank: int, world_size: int) -> List[int]:
     ring = [(rank + i) % world_size for i in range(1, min(world_size - 1, RING_NEIGHBOURS) + 1)]
     return sorted(set(ring) | ({0} if rank != 0 else set()))
@@ -104,9 +115,13 @@ class FaultWatchdog:
             _bounded(self._publish, self.interval + 1.0)
         self._stopped.set()
         self._wake.set()
+        # They wake at once, unless inside a store call: wait that out (bounded by the connection's
+        # timeout, store_call_limit), so that no thread of ours is in native code at interpreter exit.
+        limit = store_call_limit(self.timeout_s) + 1.0
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
-                t.join(timeout=1.0)  # they wake at once, unless inside a store call that hangs
+                t.join(timeout=limit)
+        join_store_calls(limit)
 
     @property
     def running(self) -> bool:
@@ -293,14 +308,35 @@ def _bounded(action: Callable[[], object], limit_s: float) -> bool:
             pass
 
     worker = threading.Thread(target=run, name="deepcompile-faults-store", daemon=True)
+    with _STORE_CALLS_LOCK:
+        _STORE_CALLS.append(worker)
     worker.start()
     worker.join(limit_s)
     return not worker.is_alive()
 
 
+# The threads _bounded left behind in a store call that outlasted its limit: the exit still waits
+# for them (join_store_calls), for the reason store_call_limit gives.
+_STORE_CALLS: List[threading.Thread] = []
+_STORE_CALLS_LOCK = threading.Lock()
+
+
+def join_store_calls(limit_s: float) -> bool:
+    """Wait up to ``limit_s`` seconds in all for every store call _bounded started to return.
+    Whether none is left."""
+    deadline = time.monotonic() + limit_s
+    with _STORE_CALLS_LOCK:
+        pending = [t for t in _STORE_CALLS if t.is_alive()]
+        _STORE_CALLS[:] = pending
+    for worker in pending:
+        if worker is not threading.current_thread():
+            worker.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
+
+
 def store_connection(store, timeout_s: float):
     """A connection of the watchdog's own to ``store`` where the store can make one (TCPStore),
-    with calls that give up after ``timeout_s``; else ``store`` itself."""
+    with calls that give up after ``timeout_s`` (``store_call_limit``); else ``store`` itself."""
     try:
         own = store.clone()
     except Exception:  # noqa: BLE001  (FileStore, HashStore: no second connection; share it)

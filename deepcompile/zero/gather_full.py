@@ -9,7 +9,7 @@ pieces by their ranges, learnt once with one ``all_gather_object`` of every rank
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,16 @@ import torch.distributed as dist
 from deepcompile.zero.param_shard import ParamShard
 
 _HALF = (torch.bfloat16, torch.float16)
+
+# The tensors of the last gather issued here, kept referenced until the next one (or the
+# process's end). gloo runs a collective on a worker thread, which drops its references after the
+# caller's wait has returned; if it holds the last reference to a Python tensor, freeing it needs
+# the GIL. When a rank's last collective before exit is this gather (save_model at the end of a
+# run), the worker can get there while the interpreter finalizes, and CPython then ends the thread
+# with a forced unwind that C++ turns into std::terminate: an abort at exit, seen on loaded hosts.
+# Held here, the worker's reference is never the last. Only the last gather's tensors are held: a
+# rank holds at most one piece more than before.
+_last_pieces: List[torch.Tensor] = []
 
 
 def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard], torch.dtype],
@@ -27,6 +37,7 @@ def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard]
     shard's own); a piece offload keeps in host memory is copied there one parameter at a time.
     Collective: every rank must exhaust the iterator."""
     shards = list(shards)
+    _last_pieces.clear()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges = [None] * world
     dist.all_gather_object(ranges, [(s.start, s.end) for s in shards], group=group)
@@ -42,11 +53,15 @@ def gather_to_rank(shards: Iterable[ParamShard], dtype_of: Callable[[ParamShard]
         piece[: shard.end - shard.start] = shard.local
         if rank != dst:
             dist.gather(piece, None, dst=dst_global, group=group)
+            _last_pieces[:] = [piece]
             del piece
             yield shard, None
             continue
         staged = torch.empty(world, width, dtype=comm_dtype, device=at)
-        dist.gather(piece, list(staged.unbind(0)), dst=dst_global, group=group)
+        received = list(staged.unbind(0))
+        dist.gather(piece, received, dst=dst_global, group=group)
+        _last_pieces[:] = [piece, *received]
+        del received
         del piece
         if all(start == r * width for r, (start, _) in enumerate(spans)):
             flat = staged.view(-1)[: shard.numel]  # ZeRO-3: rank r holds [r * width, (r + 1) * width)

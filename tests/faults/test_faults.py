@@ -104,6 +104,45 @@ def test_a_finished_rank_raises_no_alarm_and_a_failure_is_reported_from_the_alar
     watchdog.stop()
 
 
+class _SlowStore:
+    """A store whose writes take ``delay_s`` once ``slow`` is set: a watchdog thread is then
+    inside a store call when the rank stops."""
+
+    def __init__(self, delay_s):
+        self.inner, self.delay_s, self.slow, self.calls_in_flight = dist.HashStore(), delay_s, False, 0
+
+    def set(self, key, value):
+        self.calls_in_flight += 1
+        try:
+            if self.slow:
+                time.sleep(self.delay_s)
+            self.inner.set(key, value)
+        finally:
+            self.calls_in_flight -= 1
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_stop_returns_only_once_no_watchdog_thread_is_inside_a_store_call():
+    """A watchdog thread still inside a store call when the interpreter finalizes aborts the
+    process when the call returns (CPython ends the thread with a forced unwind that C++ turns
+    into std::terminate). stop() (and so the atexit hook) must wait such calls out, up to
+    store_call_limit, not abandon them after a fixed second as it once did."""
+    from deepcompile.faults.watchdog import store_call_limit
+
+    timeout_s = 1.0
+    delay_s = 1.8  # longer than the second stop() once gave its threads, shorter than the limit + 1 s
+    assert delay_s < store_call_limit(timeout_s) + 1.0
+    store = _SlowStore(delay_s)
+    watchdog = _watchdog(store, 0, timeout_s, [], io.StringIO()).start()
+    store.slow = True
+    assert _wait_for(lambda: store.calls_in_flight > 0, 5.0), "the monitor never published"
+    watchdog.stop()
+    assert store.calls_in_flight == 0, "stop() returned while a store call was still running"
+    assert not any(t.is_alive() for t in watchdog._threads)
+
+
 def test_communication_errors_are_told_from_a_rank_s_own_failure():
     from deepcompile.faults.process_hooks import is_symptom
 
