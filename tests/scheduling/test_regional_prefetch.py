@@ -131,6 +131,31 @@ def test_regional_prefetch_matches_whole_model(world):
     run_distributed(_parity_body, world, timeout=900)
 
 
+def _persistent_body(ctx):
+    """Selective unsharding decides per parameter over every instance of a shared layer graph (each
+    instance is profiled with its own parameters), as the whole-model graph decides per parameter:
+    with no budget (a CPU device), both keep every layer parameter gathered, not only the first
+    instance's."""
+    whole, _, whole_report, engine = _train(ctx, regional=False, selective=True)
+    engine.destroy()
+    regional, _, report, engine = _train(ctx, regional=True, selective=True)
+    engine.destroy()
+    torch.testing.assert_close(torch.tensor(regional.losses), torch.tensor(whole.losses), **FP32_TOL)
+    chosen = {p["param"] for p in report["persistent"]}
+    whole_chosen = {p["param"] for p in whole_report["persistent"]}
+    layer_params = {n for n in whole.params if ".layers." in n}
+    assert len(layer_params) == 4 * 9 and layer_params <= chosen, sorted(layer_params - chosen)
+    assert {n for n in whole_chosen if ".layers." in n} == layer_params, sorted(whole_chosen)
+    # Outside the layers the eager modules gather once per micro-step (autograd keeps the copy for
+    # their backward), so keeping them gathered would save nothing at one micro-step per step.
+    assert chosen == layer_params, sorted(chosen - layer_params)
+
+
+@pytest.mark.parametrize("world", [1], ids=multiproc.ws_id)
+def test_regional_persistence_covers_every_instance(world):
+    run_distributed(_persistent_body, world, timeout=900)
+
+
 # ---- the chain and the merged profile, without a runtime ----------------------------------------
 
 
