@@ -5,7 +5,9 @@ Dynamo captures identical blocks once and the backend compiles that capture once
 every block's parameters (compiler/graph_instances.py). Compile time then grows with the number
 of *distinct* blocks, not with depth: a 32-layer model compiles about one layer's graph (plus one
 more for the first layer, whose input does not require grad). What lies outside the blocks
-(embeddings, the final norm, the head) runs eagerly, its parameters gathered by the eager hooks.
+(embeddings, the final norm, the head) runs eagerly, its parameters gathered by the eager hooks,
+which find them in flight: the prefetch chain launches them while the unit before runs
+(compiler/eager_units.py, scheduling/instance_chain.py).
 
 Which modules are blocks: the classes a Hugging Face model names in ``_no_split_modules`` (the
 modules it never splits across devices: its layers), or the classes (or class names) the caller
