@@ -93,8 +93,15 @@ def _parity_body(ctx):
     regional, counts, report, engine = _train(ctx, regional=True)
     layers = len(engine.module.model.model.layers)
     # The shared layer graph is planned from all its instances' profiles (instance_profiles.py).
-    shared = {key: ids for key, ids in engine.scheduler.chain.instances_of.items() if len(ids) > 1}
-    assert {phase for phase, _ in shared} == {"forward", "backward"}, engine.scheduler.chain.instances_of
+    driver = engine.scheduler
+    shared = {key: ids for key, ids in driver.chain.instances_of.items() if len(ids) > 1}
+    assert {phase for phase, _ in shared} == {"forward", "backward"}, driver.chain.instances_of
+    for sig, profile in driver.profiles.items():
+        ids = shared.get((profile.phase, profile.graph_id))
+        if ids:  # its plan keeps to the instance profiled highest (on GPUs a later layer, more activations alive)
+            highest = max(p.peak_bytes for p in driver.profiles.values() if p.phase == profile.phase
+                          and p.graph_id in ids)
+            assert driver._plan_profile(sig).peak_bytes == highest, (sig, highest)
     engine.destroy()
     tag = f"whole-model {vars(whole_counts)}, regional {vars(counts)}"
 
