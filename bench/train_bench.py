@@ -117,7 +117,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s own modules
 
-import deepcompile  # noqa: E402
+import deepspeed_peer  # noqa: E402  (DeepSpeed's rows; imports DeepSpeed only when one is built)
+import peer_rows  # noqa: E402
 from dist_setup import setup  # noqa: E402
 
 FSDP2_NAME = "FSDP2 + compile"  # the peer the compile-time ratio is taken against
@@ -134,7 +135,7 @@ PRESETS: Dict[str, Dict[str, object]] = {
     # the rows are the offload ones; built on meta, one process per row.
     "7b": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000, seq=2048, micro_batch=1,
                warmup=3, steps=3, methods="fsdp2-offload,z3-offload,z3-offload-budget,z3-offload-all",
-               init="meta", isolate=True, trace_steps=1, trace_memory=False, row_timeout=540,
+               init="meta", isolate=True, trace_steps=1, trace_memory=False, row_timeout=540, peer_repeats=1,
                sub_group_size=2e8),  # the offloaded step streams 1.6 GB of Adam state per sub-group
     # CPU smoke runs. Small deepcompile thresholds so that even this model has gathered (not
     # persistent) ZeRO-3 parameters and several reduce buckets, as the large models do.
@@ -225,6 +226,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--pcie-gib", type=float, default=1.0)
     p.add_argument("--pcie-repeats", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="also write the header and the rows as JSON to PATH")
+    p.add_argument("--peer-repeats", type=int, default=2,
+                   help=f"run each of the rows {', '.join(REPEATED_PEERS)} this many times, one after the other, "
+                        "and report every run (their step times vary between runs; default 2, 1 in the 7b preset)")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)  # --isolate: a row process's result
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: print one table of the rows of these --json files (e.g. the phases of a "
@@ -241,7 +245,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    keys = list(METHODS) if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    # 'all' leaves out DeepSpeed's rows: they need DeepSpeed installed and --isolate (deepspeed_peer.py).
+    keys = ([k for k in METHODS if k not in deepspeed_peer.ROWS] if args.methods.strip() == "all"
+            else [m.strip() for m in args.methods.split(",") if m.strip()])
     unknown = [k for k in keys if k not in METHODS]
     if unknown or not keys:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
@@ -251,6 +257,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 "(profile at step 0, re-plan at step 1)")
     if args.nproc < 1:
         p.error("--nproc must be >= 1")
+    if args.peer_repeats < 1:
+        p.error("--peer-repeats must be >= 1")
+    deepspeed_peer.check_options(p, args, keys)
     if not 0.0 < args.memory_budget_fraction <= 1.0:
         p.error("--memory-budget-fraction must be in (0, 1]")
     args.methods = keys
@@ -416,6 +425,8 @@ def offload_config(args: argparse.Namespace, offload: str, budget_bytes: Optiona
 
 def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
                        budget_bytes: Optional[int] = None, regional: bool = False) -> Runner:
+    import deepcompile  # here: a DeepSpeed row's process must not load its `dc` op library (deepspeed_peer.py)
+
     meta = ctx.args.init == "meta"
     # deepcompile trains the bf16 model (fp32 masters in the engine): built on the device in bf16,
     # or on meta and materialised by initialize() one module at a time.
@@ -585,9 +596,12 @@ METHODS: Dict[str, Method] = {
     "z3-offload-all": Method("deepcompile ZeRO-3 + all offload kinds, budget",
                              lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "all")),
     "ddp": Method("DDP + compile", ddp_runner),
+    **{key: Method(name, lambda ctx, key=key: deepspeed_peer.runner(ctx, key)) for key, name in deepspeed_peer.ROWS.items()},
 }
 METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
 DEFAULT_METHODS = ["z3", "z3-prefetch", "z3-auto", "z1", "z2", "fsdp2", "ddp"]
+# --peer-repeats runs each of these that many times in one call (their step times vary from run to run).
+REPEATED_PEERS = ("fsdp2", *deepspeed_peer.ROWS)
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -615,6 +629,7 @@ class Row:
     transfers: Optional[Dict[str, float]] = None
     vs_fsdp2_offload: Optional[float] = None  # tokens/s over FSDP2 + CPU offload's, same run
     host_peak_gib: Optional[float] = None  # --isolate: the row process's peak resident memory
+    repeat: Optional[int] = None  # --peer-repeats: which run of a repeated row (shown after its name)
 
 
 @dataclasses.dataclass
@@ -866,7 +881,8 @@ def columns(rows: List[Row]) -> List[str]:
 
 def cells(row: Row, offload_columns: bool = False, pcie: Optional[Dict[str, float]] = None) -> List[str]:
     num = lambda value, fmt: _num(row, value, fmt)
-    out = [row.method, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
+    label = row.method + (f" (run {row.repeat})" if row.repeat else "")
+    out = [label, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.scheduled_s, ".1f"),
            num(row.vs_fsdp2, ".2f"), num(row.warm_scheduled_s, ".1f")]
     if offload_columns:
@@ -1001,6 +1017,7 @@ def write_json(path: str, env: Dict[str, str], rows: List[Row], pcie: Optional[D
 
 def finish(args: argparse.Namespace, env: Dict[str, str], rows: List[Row], pcie: Optional[Dict[str, float]]) -> None:
     """The ratios, the table and its files (rank 0 / the parent of --isolate)."""
+    peer_rows.number_repeats(rows)
     compare_with_fsdp2(rows)
     compare_with_fsdp2_offload(rows)
     print("\n" + text_table(rows, pcie), flush=True)
@@ -1041,10 +1058,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.merge:
         return merge(args)
+    args.methods = peer_rows.repeat_peers(args, REPEATED_PEERS)
     if args.isolate:
         from row_process import run_isolated
 
-        return run_isolated(args, list(sys.argv[1:] if argv is None else argv))
+        return run_isolated(args, peer_rows.row_argv(sys.argv[1:] if argv is None else argv))
     device, rank, world = setup()
     backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
     if args.compile_cache == "off":
