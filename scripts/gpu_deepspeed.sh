@@ -14,13 +14,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 gpu_environment
 
-# DS_BUILD_OPS=0: no op is compiled at install; DeepSpeed builds what a row uses (DeepCompile's op library,
-# its CPU Adam) just in time, with the system compilers gpu_prelude.sh exports. --no-build-isolation: its
-# setup.py looks at the installed torch (and the sdist has no pyproject.toml).
-DS_BUILD_OPS=0 python3 -m pip install -q --no-index --find-links .whl --no-build-isolation "deepspeed==${DS_VERSION:-0.19.8}" \
-  > "$OUT/deepspeed-install.log" 2>&1 || { tail -30 "$OUT/deepspeed-install.log"; exit 1; }
-python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" 2>&1 \
-  | tail -1 | tee -a "$OUT/env.txt"
+gpu_install_deepspeed
 [ -n "${DS_INSTALL_ONLY:-}" ] && exit 0
 
 gpu_build

@@ -25,3 +25,16 @@ gpu_environment() {  # the machine, the library versions and the source digest, 
     echo "source digest $(bash scripts/source_digest.sh)"
   } 2>&1 | tee "$OUT/env.txt"
 }
+
+gpu_install_deepspeed() {  # DeepSpeed from the carried .whl/ (scripts/fetch_deepspeed_wheels.sh); log in $OUT
+  # DS_BUILD_OPS=0: no op compiled at install; DeepSpeed builds what a row uses (DeepCompile's op library,
+  # its CPU Adam) just in time with the compilers above. --no-build-isolation: its setup.py reads the
+  # installed torch (and the sdist has no pyproject.toml).
+  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --find-links .whl --no-build-isolation "deepspeed==${DS_VERSION:-0.19.8}" \
+    > "$OUT/deepspeed-install.log" 2>&1 || { tail -30 "$OUT/deepspeed-install.log"; exit 1; }
+  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
+  # Its DeepCompile op library is built on first use: build it now, so no row's first step pays for it.
+  timeout 400 python3 -c "from deepspeed.ops.op_builder.dc import DeepCompileBuilder; DeepCompileBuilder().load()" \
+    >> "$OUT/deepspeed-install.log" 2>&1 \
+    || echo "DeepSpeed's DeepCompile op build failed (its rows will say why): $OUT/deepspeed-install.log"
+}

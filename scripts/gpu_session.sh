@@ -2,7 +2,7 @@
 # One GPU-machine call that does everything a session needs, within the 10-minute limit of a call:
 # build, the GPU tests (pytest args from $GPU_TESTS, "none" to skip; DC_TEST_WORLD_SIZES picks the
 # world sizes, else they follow the GPUs present), the benchmark rows ($BENCH_METHODS on
-# $BENCH_NPROC GPUs, default 2), and the compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
+# $BENCH_NPROC GPUs, default 2; DeepSpeed rows need .whl carried), and the compute-sanitizer run if time remains. Each part has its own time limit and log under $OUT, so
 # a part that runs long costs only its own results.
 set -uo pipefail
 MAX_JOBS=${MAX_JOBS:-32}
@@ -29,9 +29,16 @@ if [ "${GPU_TESTS:-tests}" != none ]; then
 fi
 
 if [ -n "${BENCH_METHODS:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-240}" torchrun --master-port 29613 --nproc-per-node "${BENCH_NPROC:-2}" bench/train_bench.py \
-    --methods "$BENCH_METHODS" --warmup 4 --steps 8 ${BENCH_ARGS:-} --markdown "$OUT/RESULTS.md" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$? at $(elapsed) s"; grep -E "^(method|---|deepcompile|FSDP2|DDP)" "$OUT/bench.log" | tail -12
+  # DeepSpeed rows (ds-*, e.g. BENCH_METHODS=z3-auto,ds-dc,ds-z3,fsdp2; carry .whl, see
+  # scripts/fetch_deepspeed_wheels.sh): DeepSpeed installed first, each row in its own process.
+  bench=(torchrun --master-port 29613 --nproc-per-node "${BENCH_NPROC:-2}" bench/train_bench.py --warmup 4)
+  if [[ ",$BENCH_METHODS" == *,ds-* ]]; then
+    gpu_install_deepspeed
+    bench=(python3 bench/train_bench.py --isolate --nproc "${BENCH_NPROC:-2}" --warmup 7)
+  fi
+  timeout "${BENCH_TIMEOUT:-240}" "${bench[@]}" \
+    --methods "$BENCH_METHODS" --steps 8 ${BENCH_ARGS:-} --markdown "$OUT/RESULTS.md" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? at $(elapsed) s"; grep -E "^(method|---|deepcompile|DeepSpeed|FSDP2|DDP)" "$OUT/bench.log" | tail -16
 fi
 
 left=$(( ${CALL_BUDGET:-570} - $(elapsed) ))
