@@ -31,9 +31,9 @@ patches torch (module construction, ``nn.functional.linear``) in the process tha
 process never loads it.
 
 On a machine without CUDA, ``DS_ACCELERATOR`` defaults to ``cpu`` here (DeepSpeed's CPU accelerator
-then talks gloo when oneCCL's bindings are absent, the process group train_bench made); DeepSpeed
-runs DeepCompile on CUDA only, and a row whose DeepCompile did not start says so instead of timing
-DeepSpeed's silent fallback to plain ``torch.compile``.
+then talks gloo when oneCCL's bindings are absent, the process group train_bench made). DeepSpeed
+runs DeepCompile on CUDA only: there its rows are "n/a" with that reason, and on CUDA a row whose
+DeepCompile did not start is an error, not a time of DeepSpeed's fallback to plain ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -125,28 +126,46 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, key
         parser.error(f"--warmup must be >= {MIN_WARMUP} with DeepSpeed DeepCompile rows (its schedule re-plans at step 5)")
 
 
+def _bench(ctx):
+    """The train_bench module that made ``ctx``: run as a script it is ``__main__``, and a second
+    ``import train_bench`` would be another module whose ``Unavailable`` its ``measure`` does not catch."""
+    module = sys.modules.get(type(ctx).__module__)
+    if module is None or not hasattr(module, "Unavailable"):
+        import train_bench as module
+    return module
+
+
 def _import_deepspeed(ctx):
-    import train_bench as tb
+    tb = _bench(ctx)
 
     # DeepSpeed picks its accelerator at import: on a CPU run make it the CPU one (gloo without oneCCL).
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.is_cuda else "cpu")
     try:
         import deepspeed
     except ImportError as e:
-        raise tb.Unavailable(f"n/a: DeepSpeed not installed ({e}); scripts/fetch_deepspeed_wheels.sh here, "
+        raise tb.Unavailable(f"DeepSpeed not installed ({e}); scripts/fetch_deepspeed_wheels.sh here, "
                              "scripts/gpu_deepspeed.sh on the GPU machine") from e
     return deepspeed
 
 
 def runner(ctx, key: str):
     """train_bench's ``Runner`` of DeepSpeed row ``key``."""
-    import train_bench as tb
+    tb = _bench(ctx)
 
     variant = VARIANTS[key]
     deepspeed = _import_deepspeed(ctx)
+    if variant.deepcompile:
+        from deepspeed.compile.util import is_deepcompile_supported
+
+        if not is_deepcompile_supported():  # before building its op library, minutes of C++ for nothing
+            raise tb.Unavailable("DeepSpeed runs DeepCompile on CUDA only (its is_deepcompile_supported() is "
+                                 f"False with accelerator {deepspeed.get_accelerator().device_name()}); on this "
+                                 "device it would fall back to plain torch.compile")
     reference = tb.make_optimizer(ctx, [torch.nn.Parameter(torch.zeros(1))])  # only its hyper-parameters
     config = deepspeed_config(ctx.args, key, adamw_params(reference.defaults), pin_memory=ctx.is_cuda)
-    if ctx.args.init == "meta":  # DeepSpeed's own large-model construction: partitioned as built
+    if ctx.args.init == "meta":
+        # DeepSpeed's own large-model construction, partitioned as built. transformers' init then runs on
+        # partitions, so the initial values (and the loss column) differ from the other rows'; the times do not.
         torch.manual_seed(ctx.args.seed)
         with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
             from transformers import LlamaForCausalLM

@@ -115,5 +115,5 @@ def test_a_run_without_deepspeed_gets_a_row_saying_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     ctx = types.SimpleNamespace(is_cuda=False)
-    with pytest.raises(train_bench.Unavailable, match="DeepSpeed not installed.*fetch_deepspeed_wheels"):
+    with pytest.raises(train_bench.Unavailable, match="^DeepSpeed not installed.*fetch_deepspeed_wheels"):
         deepspeed_peer.runner(ctx, "ds-z3")
