@@ -12,8 +12,11 @@ using namespace deepcompile;
 
 namespace {
 
+// `group`: the shard group (the world without hybrid sharding); `replica_group`: the ranks holding
+// the same shard in the other shard groups, or None (runtime.h).
 void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device_type, int64_t device_index,
-          int64_t bucket_size, bool double_buffer, int64_t free_threshold, const std::vector<bool>& syncs) {
+          int64_t bucket_size, bool double_buffer, int64_t free_threshold, const std::vector<bool>& syncs,
+          const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& replica_group) {
   TORCH_CHECK(syncs.size() == 4, "deepcompile: init expects 4 sync flags");
   RuntimeConfig config;
   config.reduce_bucket_size = bucket_size;
@@ -27,11 +30,14 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
   destroyRuntime();
   std::unique_ptr<Lanes> lanes;
   std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Communicator> replica_comm;
+  const bool hybrid = replica_group.has_value() && *replica_group;
   if (device_type == "cuda") {
 #ifdef DC_WITH_NCCL
     const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
     lanes = makeDeviceLanes(device);
     comm = makeNcclCommunicator(group, device, *lanes);
+    if (hybrid) replica_comm = makeNcclCommunicator(*replica_group, device, *lanes);
 #else
     TORCH_CHECK(false, "deepcompile was built without NCCL support; device='cuda' is unavailable");
 #endif
@@ -39,8 +45,9 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
     TORCH_CHECK(device_type == "cpu", "deepcompile: device must be 'cpu' or 'cuda', got '", device_type, "'");
     lanes = makeHostLanes();
     comm = makeProcessGroupCommunicator(group);
+    if (hybrid) replica_comm = makeProcessGroupCommunicator(*replica_group);
   }
-  installRuntime(std::make_unique<Runtime>(std::move(lanes), std::move(comm), config));
+  installRuntime(std::make_unique<Runtime>(std::move(lanes), std::move(comm), config, std::move(replica_comm)));
 }
 
 void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::vector<int64_t>>& shapes,
@@ -92,6 +99,35 @@ at::Tensor pinnedHostBuffer(int64_t nbytes) {
 
 }  // namespace
 
+py::dict bytesDict(const CommBytes& b) {
+  py::dict d;
+  d["all_gather"] = b.all_gather;
+  d["reduce_scatter"] = b.reduce_scatter;
+  d["reduce"] = b.reduce;
+  d["all_reduce"] = b.all_reduce;
+  return d;
+}
+
+// Payload bytes per communicator since the last reset ("replica" only under hybrid sharding),
+// each with the communicator's size (what the wire bytes follow from).
+py::dict commBytes(bool reset) {
+  Runtime& rt = currentRuntime();
+  py::dict out;
+  py::dict shard = bytesDict(rt.comm().bytes());
+  shard["size"] = rt.comm().size();
+  out["shard"] = shard;
+  if (rt.replicaComm() != nullptr) {
+    py::dict replica = bytesDict(rt.replicaComm()->bytes());
+    replica["size"] = rt.replicaComm()->size();
+    out["replica"] = replica;
+  }
+  if (reset) {
+    rt.comm().resetBytes();
+    if (rt.replicaComm() != nullptr) rt.replicaComm()->resetBytes();
+  }
+  return out;
+}
+
 // Control calls that may wait on collectives or the device release the GIL: a gloo worker or
 // another Python thread must never be blocked behind a thread that waits for them.
 PYBIND11_MODULE(_C, m) {
@@ -108,6 +144,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset", [] { currentRuntime().resetExecutors(); }, py::call_guard<py::gil_scoped_release>());
   m.def("world_size", [] { return currentRuntime().world(); });
   m.def("rank", [] { return currentRuntime().rank(); });
+  m.def("replica_size", [] {
+    Communicator* replica = currentRuntime().replicaComm();
+    return replica != nullptr ? replica->size() : 1;
+  });
+  m.def("comm_bytes", &commBytes, "Payload bytes per communicator since the last reset", py::arg("reset") = false);
   m.def("register_z3_params", &registerZ3Params, py::call_guard<py::gil_scoped_release>());
   m.def("register_z12_param", [](int64_t id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
                                  int64_t partition_numel) {

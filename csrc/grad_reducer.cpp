@@ -7,10 +7,11 @@
 namespace deepcompile {
 
 GradReducer::GradReducer(DSParamRegistry& registry, Lanes& lanes, Communicator& comm, int64_t bucket_size,
-                         bool double_buffer)
+                         bool double_buffer, Communicator* replica_comm)
     : registry_(registry),
       lanes_(lanes),
       comm_(comm),
+      replica_comm_(replica_comm),
       buckets_(bucket_size, double_buffer, [&lanes](int64_t numel, at::ScalarType dtype) {
         // Buckets are written on the copy lane and read on the reduce lane; allocating them on
         // the reduce lane keeps the allocator's stream bookkeeping on the lane that frees them.
@@ -157,6 +158,19 @@ void GradReducer::flush(at::ScalarType dtype) {
   }
   CompletionPtr reduced = comm_.endGroup();
   reduced->blockStream(reduce_stream);
+  if (replica_comm_ != nullptr && !landings.empty()) {
+    // Hybrid sharding: the partition each rank received is the average over its shard group;
+    // the same partition arrived on the rank of the same index in every other shard group, so
+    // one all-reduce over those ranks completes the average over the world. Issued on the same
+    // lane after the shard group's collectives (they wrote what it reads), before the landings
+    // are added to accumulated targets. Every replica has the same landings in the same order.
+    LaneScope scope(lanes_, Lane::ReduceScatter);
+    replica_comm_->beginGroup(Lane::ReduceScatter);
+    for (const Landing& landing : landings) {
+      replica_comm_->allReduce(landing.received.defined() ? landing.received : landing.param->grad_target.view({-1}));
+    }
+    replica_comm_->endGroup()->blockStream(reduce_stream);
+  }
   {
     LaneScope scope(lanes_, Lane::ReduceScatter);
     for (Landing& landing : landings) {

@@ -32,12 +32,14 @@ const RuntimeConfig& validated(const RuntimeConfig& config) {
 
 }  // namespace
 
-Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config)
+Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config,
+                 std::unique_ptr<Communicator> replica_comm)
     : lanes_(std::move(lanes)),
       comm_(std::move(comm)),
+      replica_comm_(std::move(replica_comm)),
       config_(validated(config)),
       reducer_(std::make_unique<GradReducer>(registry_, *lanes_, *comm_, config_.reduce_bucket_size,
-                                             config_.double_buffer)),
+                                             config_.double_buffer, replica_comm_.get())),
       executor_context_{registry_, *lanes_, *comm_, *reducer_, update_step_,
                         [this](DsId id) { return anyExecutorHoldsGather(id); }} {}
 
@@ -53,6 +55,7 @@ void Runtime::shutdown() {
   executors_.clear();
   reducer_.reset();
   registry_.clear();
+  replica_comm_.reset();
   comm_.reset();
 }
 

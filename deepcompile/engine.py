@@ -34,6 +34,7 @@ from deepcompile.zero.materialize import InitFn, training_device
 from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
+from deepcompile.zero.topology import ShardTopology, topology_for
 
 
 def _check_implemented(config: Config) -> None:
@@ -45,15 +46,19 @@ def _check_implemented(config: Config) -> None:
 
 
 def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, precision: PrecisionPolicy,
-                   group: dist.ProcessGroup, device: torch.device, init_fn: Optional[InitFn]) -> Sharding:
+                   topology: ShardTopology, device: torch.device, init_fn: Optional[InitFn]) -> Sharding:
     stage = config.zero_optimization.stage
+    # Partitioned over the shard group; values come from the world's first rank, so that every
+    # replica starts from the same ones.
+    group, init_group = topology.shard_group, dist.group.WORLD
     # The stages read their gather and reduce dtypes from the engine's one precision policy.
     if stage == 3:
         # Parameter offload keeps the gather sources on the host: the stage is told, it does not
         # look at the offload settings itself.
         return Zero3Sharding(model, optimizer, config, precision, group, device=device, init_fn=init_fn,
-                             masters_offloadable=bool(parameter_offload_keys(config)))
-    return Zero12Sharding(model, optimizer, config, precision, group, stage, device=device, init_fn=init_fn)
+                             masters_offloadable=bool(parameter_offload_keys(config)), init_group=init_group)
+    return Zero12Sharding(model, optimizer, config, precision, group, stage, device=device, init_fn=init_fn,
+                          init_group=init_group)
 
 
 def _listed(names: List[str], limit: int = 6) -> str:
@@ -64,7 +69,7 @@ def _listed(names: List[str], limit: int = 6) -> str:
 class Engine:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Config,
                  lr_scheduler: Any = None, model_parameters: Any = None, init_fn: Optional[InitFn] = None,
-                 device: Union[str, torch.device, None] = None):
+                 device: Union[str, torch.device, None] = None, shard_group_size: Optional[int] = None):
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -75,6 +80,8 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
+        # Hybrid sharding (zero/topology.py): the groups parameters are partitioned over.
+        self.topology = topology_for(config.zero_optimization.mics_shard_size, shard_group_size)
         # Where parameters are materialised and trained (zero/materialize.py: training_device).
         self.device = training_device(model, device, self.group)
         if self.device.type == "cuda":
@@ -89,11 +96,12 @@ class Engine:
             optim_builder.cast_floating_parameters(model, self.precision.param_dtype)
         optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
-        runtime.init(self.group, runtime.RuntimeConfig(**config.runtime_config()), device=self.device.type)
+        runtime.init(self.topology.shard_group, runtime.RuntimeConfig(**config.runtime_config()),
+                     device=self.device.type, replica_group=self.topology.replica_group)
         # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
         # holds its shards plus one module's parameters at a time) and partitions it.
-        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.precision, self.group, self.device,
-                                                   init_fn)
+        self.sharding: Sharding = _make_sharding(model, optimizer, config, self.precision, self.topology,
+                                                   self.device, init_fn)
         # Floating-point buffers a meta model left without value (no init_fn): checked once, at
         # the first forward, together with sharding.unset_params.
         self._unset_buffers = list(self.sharding.materialized.unset_buffers)
@@ -347,6 +355,7 @@ class Engine:
             module=self.module, sharding=self.sharding, optimizer=self.basic_optimizer,
             lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, group=self.group, rank=self.rank,
             world_size=self.world_size, device=self.device,
+            writes_shards=self.topology.replica_index(self.rank) == 0,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             counters=StepCounters(self.global_steps, self.micro_steps, self.skipped_steps),
             config=self.config.to_dict())
@@ -453,6 +462,7 @@ def initialize(
     model_parameters: Any = None,
     init_fn: Optional[InitFn] = None,
     device: Union[str, torch.device, None] = None,
+    shard_group_size: Optional[int] = None,
 ) -> Engine:
     """Partition ``model`` and ``optimizer`` over the default process group and return the engine.
 
@@ -470,8 +480,13 @@ def initialize(
     rank 0's random generator state on every rank (``zero/materialize.py``). Without it, rank
     0's values are used; parameters that are on ``meta`` on rank 0 have none until a loader
     writes the shards and calls ``engine.sharding.sync_params_from_shards()``.
+
+    ``shard_group_size``: hybrid sharding, as ``zero_optimization.mics_shard_size`` (either may be
+    set; both must agree): partition over groups of this many consecutive ranks, replicate across
+    the groups (zero/topology.py, docs/design/hybrid_sharding.md).
     """
     if config is None:
         raise TypeError("deepcompile.initialize needs a config (a dict, a path to a JSON file or a deepcompile.Config)")
     return Engine(model, optimizer, Config.from_any(config), lr_scheduler=lr_scheduler,
-                  model_parameters=model_parameters, init_fn=init_fn, device=device)
+                  model_parameters=model_parameters, init_fn=init_fn, device=device,
+                  shard_group_size=shard_group_size)

@@ -167,6 +167,8 @@ class StepReportPart(Part):
         self.feature.stop(phase)
 
     def after_step(self, moment, outcome):
+        # This step's collectives, counted since the previous step by the runtime.
+        self.feature.comm_bytes = runtime.comm_bytes(reset=True)
         self.feature.after_optimizer_step(moment.global_steps, outcome.lrs, outcome.grad_norm, self.group,
                                           loss_scale=outcome.loss_scale)
 

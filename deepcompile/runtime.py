@@ -18,6 +18,10 @@ Parameter layouts the runtime understands:
   group_offset + numel)`` of it and rank ``r`` owns ``[r * partition_numel, (r + 1) *
   partition_numel)``. The gradient target bound with ``bind_grad_target`` is this rank's part of the
   parameter's averaged gradient (possibly empty).
+
+Under hybrid sharding (``zero/topology.py``) the runtime's group is the shard group: ``world``
+and ``rank`` above are the shard group's, and the replica group given to ``init`` averages each
+reduced partition over the ranks holding the same one in the other shard groups.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ __all__ = [
     "reduce_count",
     "world_size",
     "rank",
+    "comm_bytes",
 ]
 
 STAGES = (1, 2, 3)
@@ -112,8 +117,13 @@ def init(
     process_group: Optional[dist.ProcessGroup] = None,
     config: Optional[RuntimeConfig] = None,
     device: Optional[str] = None,
+    replica_group: Optional[dist.ProcessGroup] = None,
 ) -> None:
     """Create (or re-create) the runtime over ``process_group`` (default: the world group).
+
+    ``replica_group`` (hybrid sharding only): the ranks that hold this rank's shards in the other
+    shard groups, ``process_group`` being this rank's shard group; every reduced gradient
+    partition is then averaged over it. None: no replicas, nothing extra is communicated.
 
     ``device='cuda'`` builds a private NCCL communicator whose unique id is broadcast through the
     group, and runs communication on dedicated CUDA streams. ``device='cpu'`` communicates through
@@ -138,6 +148,7 @@ def init(
             bool(config.sync_before_allgather),
             bool(config.sync_after_allgather),
         ],
+        replica_group,
     )
 
 
@@ -190,6 +201,28 @@ def world_size() -> int:
 
 def rank() -> int:
     return _C.rank()
+
+
+# Bytes each rank sends per payload byte under ring algorithms, for a communicator of n ranks: an
+# all-gather, reduce-scatter or reduce passes n - 1 of its n chunks on; an all-reduce is a
+# reduce-scatter followed by an all-gather.
+_WIRE_PER_PAYLOAD = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                     "reduce": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n}
+
+
+def comm_bytes(reset: bool = False) -> Dict[str, Dict[str, int]]:
+    """Bytes of the runtime's collectives since the last reset, per communicator: ``"shard"``
+    (the world without hybrid sharding) and, under hybrid sharding, ``"replica"``. Each holds
+    ``ranks`` (the communicator's size), the payload bytes per collective kind (``all_gather``:
+    the gathered output; ``reduce_scatter``: the input; ``reduce``/``all_reduce``: the buffer;
+    in the dtype communicated) and ``wire``: the bytes this rank sends over that link under ring
+    algorithms (docs/design/hybrid_sharding.md). ``reset``: start counting again."""
+    out: Dict[str, Dict[str, int]] = {}
+    for link, counted in _C.comm_bytes(reset).items():
+        n = int(counted.pop("size"))
+        wire = sum(_WIRE_PER_PAYLOAD[kind](n) * nbytes for kind, nbytes in counted.items())
+        out[str(link)] = {"ranks": n, **{k: int(v) for k, v in counted.items()}, "wire": int(round(wire))}
+    return out
 
 
 def register_z3_params(

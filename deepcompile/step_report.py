@@ -28,6 +28,11 @@ With ``wall_clock_breakdown`` the engine also times its forward, backward and op
 between two device synchronizations (otherwise asynchronous CUDA work would be charged to whatever
 waits next), and the same line gives the mean milliseconds per optimizer step of each phase since
 the previous line. Without it nothing is timed and nothing is synchronized.
+
+``comm_bytes``: the bytes of the runtime's collectives in the last optimizer step (from the end of
+the step before it), per link: ``{"shard": {...}, "replica": {...}}``, the replica link only under
+hybrid sharding (``runtime.comm_bytes``; docs/design/hybrid_sharding.md). Host counters only:
+reading them waits for nothing.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class StepReport:
         self._steps_in_window = 0
         self.last_line: Optional[str] = None  # the last line logged (tests read it)
         self.last_values: Dict[str, Any] = {}  # the numbers of the last line, on every rank
+        self.comm_bytes: Optional[Dict[str, Dict[str, int]]] = None  # the last optimizer step's (see above)
         # The current accumulation window's losses (device sum) and micro-steps.
         self._window_loss: Optional[torch.Tensor] = None
         self._window_micro_steps = 0

@@ -87,6 +87,7 @@ class NcclCommunicator final : public Communicator {
     checkCall(send, recv);
     TORCH_CHECK(recv.numel() == send.numel() * size_, "deepcompile: all-gather of ", send.numel(),
                 " elements per rank needs ", send.numel() * size_, " output elements, got ", recv.numel());
+    bytes_.all_gather += nbytes(recv);
     DC_NCCL_CHECK(ncclAllGather(send.data_ptr(), recv.data_ptr(), send.numel(), toNccl(send.scalar_type()), comm_,
                                 stream_),
                   "AllGather");
@@ -96,6 +97,7 @@ class NcclCommunicator final : public Communicator {
     checkCall(send, recv);
     TORCH_CHECK(send.numel() == recv.numel() * size_, "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size_, " input elements, got ", send.numel());
+    bytes_.reduce_scatter += nbytes(send);
     DC_NCCL_CHECK(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), recv.numel(), toNccl(send.scalar_type()),
                                     averageOp(), comm_, stream_),
                   "ReduceScatter");
@@ -103,9 +105,18 @@ class NcclCommunicator final : public Communicator {
 
   void reduce(const at::Tensor& buffer, int root) override {
     checkCall(buffer, buffer);
+    bytes_.reduce += nbytes(buffer);
     DC_NCCL_CHECK(ncclReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
                              averageOp(), root, comm_, stream_),
                   "Reduce");
+  }
+
+  void allReduce(const at::Tensor& buffer) override {
+    checkCall(buffer, buffer);
+    bytes_.all_reduce += nbytes(buffer);
+    DC_NCCL_CHECK(ncclAllReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
+                                averageOp(), comm_, stream_),
+                  "AllReduce");
   }
 
   CompletionPtr endGroup() override {
@@ -121,9 +132,11 @@ class NcclCommunicator final : public Communicator {
     at::Tensor out = at::empty({static_cast<int64_t>(values.size()) * size_}, in.options());
     // Issued on the reduce lane, which must first see the host-to-device copy of `in`.
     lanes_.waitCompute(Lane::ReduceScatter);
+    const CommBytes counted = bytes_;  // a control exchange: not part of the counted traffic
     beginGroup(Lane::ReduceScatter);
     allGather(in, out);
     endGroup();
+    bytes_ = counted;
     lanes_.synchronize(Lane::ReduceScatter);
     at::Tensor host = out.cpu();
     return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());

@@ -63,6 +63,7 @@ class ProcessGroupCommunicator final : public Communicator {
     TORCH_CHECK(recv.numel() == send.numel() * size(), "deepcompile: all-gather of ", send.numel(),
                 " elements per rank needs ", send.numel() * size(), " output elements, got ", recv.numel());
     trace("allgather", send.numel());
+    bytes_.all_gather += nbytes(recv);
     at::Tensor in = stage(send);
     // An in-place gather (send is our own chunk of recv): gloo must not read and write one buffer.
     if (in.is_alias_of(recv)) in = in.clone();
@@ -78,6 +79,7 @@ class ProcessGroupCommunicator final : public Communicator {
     TORCH_CHECK(send.numel() == recv.numel() * size(), "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size(), " input elements, got ", send.numel());
     trace("reduce-scatter", send.numel());
+    bytes_.reduce_scatter += nbytes(send);
     // gloo has no reduce-scatter on every torch version: all-reduce a scratch copy, keep our chunk.
     at::Tensor scratch = send.to(needsStaging(send) ? at::kFloat : send.scalar_type(), /*non_blocking=*/false,
                                  /*copy=*/true);
@@ -94,6 +96,7 @@ class ProcessGroupCommunicator final : public Communicator {
   void reduce(const at::Tensor& buffer, int root) override {
     checkInGroup();
     trace("reduce", buffer.numel());
+    bytes_.reduce += nbytes(buffer);
     at::Tensor staged = stage(buffer);
     divideBySize(staged);  // gloo has no average: divide first, then sum
     std::vector<at::Tensor> tensors{staged};
@@ -101,6 +104,19 @@ class ProcessGroupCommunicator final : public Communicator {
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.rootRank = root;
     issue(group_->reduce(tensors, opts), {staged});
+    if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
+  }
+
+  void allReduce(const at::Tensor& buffer) override {
+    checkInGroup();
+    trace("all-reduce", buffer.numel());
+    bytes_.all_reduce += nbytes(buffer);
+    at::Tensor staged = stage(buffer);
+    divideBySize(staged);  // gloo has no average: divide first, then sum
+    std::vector<at::Tensor> tensors{staged};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    issue(group_->allreduce(tensors, opts), {staged});
     if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
   }
 

@@ -124,18 +124,24 @@ def _collect(state: TrainingState, client_state: Dict[str, Any]):
     params: Dict[str, Dict[str, Any]] = {}
     state_keys: Dict[str, List[str]] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
+    # Under hybrid sharding only the first shard group writes the partitioned pieces: a replica's
+    # piece is the same chunk again, which DCP would count as an overlap.
+    shard_ranges: List[FlatRange] = []
     for s in view.shards:
         # A parameter without elements still gets one (empty) chunk, from rank 0, to be listed.
-        ranges.append(FlatRange(MODEL + s.name, s.numel, s.start, s.local.detach(), write_if_empty=rank0 and s.numel == 0))
+        shard_ranges.append(FlatRange(MODEL + s.name, s.numel, s.start, s.local.detach(),
+                                      write_if_empty=rank0 and s.numel == 0))
         params[s.name] = {"shape": list(s.shape), "dtype": _dtype_name(s.local)}
         per_element, scalar = _split_optimizer_state(s.name, state.sharding.shard_optimizer_state(s.ds_id),
                                                      s.end - s.start)
         for key, value in per_element.items():
-            ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, value.detach(),
-                                    write_if_empty=rank0 and s.numel == 0))
+            shard_ranges.append(FlatRange(f"{OPTIM}{s.name}/{key}", s.numel, s.start, value.detach(),
+                                          write_if_empty=rank0 and s.numel == 0))
         if per_element or scalar:
             state_keys[s.name] = sorted(per_element)
             scalars[s.name] = scalar
+    if state.writes_shards:
+        ranges.extend(shard_ranges)
     for name, p in view.whole.items():
         flat = p.detach().reshape(-1)
         ranges.append(FlatRange(MODEL + name, flat.numel(), 0, flat if rank0 else flat[:0], write_if_empty=rank0))

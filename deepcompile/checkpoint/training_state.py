@@ -43,6 +43,9 @@ class TrainingState:
     gradient_accumulation_steps: int
     counters: StepCounters
     config: Dict[str, Any]  # the config as a dict, recorded beside a checkpoint for reference
+    # Whether this rank writes its shards: under hybrid sharding the ranks of the first shard group
+    # do, and their replicas, which hold the same pieces, write none of them.
+    writes_shards: bool = True
 
     @property
     def stage(self) -> int:

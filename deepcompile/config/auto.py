@@ -63,7 +63,7 @@ def resolve(config, world_size: int, model: Any = None):
 
     resolved = dataclasses.replace(config, **changes) if changes else config
     facts = rules.Facts(gradient_accumulation_steps=changes.get("gradient_accumulation_steps") or 1,
-                        trained_dtypes=_trainable_dtypes(model))
+                        trained_dtypes=_trainable_dtypes(model), world_size=world_size)
     problems.extend(rules.refusals(resolved, "resolve", facts))
     if problems:
         raise ConfigError(problems)

@@ -91,6 +91,11 @@ FIXED_VALUE: Dict[str, Tuple[Any, str]] = {
 OFF_ONLY: Dict[str, str] = {
     "zero_optimization.cpu_offload": "ZeRO-Offload through the deprecated cpu_offload switch (use offload_optimizer)",
     "compile.symmetric_memory": "symmetric memory",
+    # MiCS gathers a shard group that spans nodes in two hops (within the node, then across);
+    # deepcompile's shard groups are meant to fit a node (mics_shard_size), where one hop is best.
+    "zero_optimization.mics_hierarchical_params_gather": (
+        "MiCS's two-hop (node-local, then cross-node) parameter gather (a shard group gathers in one collective: "
+        "choose mics_shard_size to fit one node)"),
 }
 
 _MONITOR_KEY = "Belongs to the disabled monitor"

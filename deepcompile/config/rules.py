@@ -26,6 +26,8 @@ class Facts:
     # dtype names ("float32", "bfloat16", ...) the trainable floating-point parameters train in;
     # empty when no model is known.
     trained_dtypes: FrozenSet[str] = frozenset()
+    # The number of ranks; None when unknown.
+    world_size: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,14 @@ def _z12_reduce_dtype(c, facts) -> Optional[str]:
             "register_z3_params has with expected_grad_dtypes). Leave it unset or make it match the parameters")
 
 
+def _shard_size_divides_world(c, facts) -> Optional[str]:
+    size = c.zero_optimization.mics_shard_size
+    if size == -1 or facts.world_size is None or facts.world_size % size == 0:
+        return None
+    return (f"zero_optimization.mics_shard_size is {size}, which does not divide the world size {facts.world_size}: "
+            "every shard group must have the same number of ranks")
+
+
 REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.offload_param", "parse",
          _param_offload_stage("zero_optimization.offload_param", lambda c: c.zero_optimization.offload_param)),
@@ -157,6 +167,7 @@ REFUSALS: Tuple[Rule, ...] = (
          _limit_zero_vs_schedule("stage3_max_reuse_distance", "selective_gather", "turns selective gathering off")),
     Rule("communication_data_type", "resolve", _bf16_reduce_accumulates),
     Rule("communication_data_type", "resolve", _z12_reduce_dtype),
+    Rule("zero_optimization.mics_shard_size", "resolve", _shard_size_divides_world),
 )
 
 

@@ -22,6 +22,15 @@ def _stage(value: Any, dotted: str) -> int:
     return value
 
 
+def _shard_size(value: Any, dotted: str) -> int:
+    """-1 (DeepSpeed's default): no hybrid sharding; otherwise a positive number of ranks (that it
+    divides the world size is checked when the world is known, config/rules.py)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
+        raise ValueError(f"{dotted} must be -1 (shard over the whole world) or a positive number of ranks, "
+                         f"got {show(value)}")
+    return value
+
+
 def _sub_group_size(value: Any, dotted: str) -> Optional[int]:
     """DeepSpeed accepts 0, which closes a sub-group after every parameter: 1 does the same here."""
     if value is None:
@@ -183,3 +192,11 @@ class ZeroConfig(Section):
     zero_quantized_nontrainable_weights: bool = fixed_key("zero_optimization.zero_quantized_nontrainable_weights")
     zero_quantized_gradients: bool = fixed_key("zero_optimization.zero_quantized_gradients")
     zero_hpz_partition_size: int = fixed_key("zero_optimization.zero_hpz_partition_size")
+    mics_shard_size: int = key(
+        _shard_size, -1,
+        "Hybrid sharding (DeepSpeed's MiCS, FSDP's HSDP): parameters, gradients and optimizer state are "
+        "partitioned over shard groups of this many consecutive ranks and replicated across the groups; gathers and "
+        "reduce-scatters stay inside a shard group, and each reduced gradient partition is then all-reduced across "
+        "the replicas (docs/design/hybrid_sharding.md). Must divide the world size. -1 (default) or the world size: "
+        "plain ZeRO over the whole world. All stages; initialize(shard_group_size=) sets the same.")
+    mics_hierarchical_params_gather: bool = off_only_key("zero_optimization.mics_hierarchical_params_gather")

@@ -74,6 +74,7 @@ def partition_parameters(
     device: Optional[torch.device] = None,
     init_fn: Optional[InitFn] = None,
     gather_dtype: Callable[[torch.Tensor], torch.dtype],
+    init_group: Optional[dist.ProcessGroup] = None,
 ) -> Tuple[List[ShardedParam], Materialized]:
     """Shard every parameter of ``module`` (tied parameters once) on ``device`` and install
     placeholders; returns the sharded parameters (ds ids in ``named_parameters`` order) and what
@@ -116,6 +117,8 @@ def partition_parameters(
         param.data = make_placeholder(param.shape, param.dtype, device)
         param.ds_id = ds_id  # lets graph passes and users identify partitioned parameters
 
-    materialized = materialize(module, device, group, init_fn, cut)
+    # Values come from the first rank of ``init_group`` (default ``group``): the world under
+    # hybrid sharding, where ``group`` is one shard group and every replica must start the same.
+    materialized = materialize(module, device, init_group if init_group is not None else group, init_fn, cut)
     assert all(sp is not None for sp in slots), "a parameter was never materialised"
     return slots, materialized

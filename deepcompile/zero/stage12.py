@@ -40,7 +40,9 @@ class Zero12Sharding(Sharding):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, precision: PrecisionPolicy,
                  group: Optional[dist.ProcessGroup], stage: int, device: Optional[torch.device] = None,
-                 init_fn: Optional[InitFn] = None):
+                 init_fn: Optional[InitFn] = None, init_group: Optional[dist.ProcessGroup] = None):
+        # ``group``: the ranks the partitions are split over (a shard group under hybrid sharding);
+        # ``init_group``: whose first rank's values every rank starts from (default ``group``).
         if optimizer.state:
             raise ValueError("deepcompile.initialize: the optimizer already has state; pass a freshly built optimizer")
         self.stage = stage
@@ -57,7 +59,8 @@ class Zero12Sharding(Sharding):
         # Identical full replicas on every rank (rank 0's values, init_fn's or unset), module by
         # module; nothing is sharded here, so the whole model is on every rank.
         self.device = device if device is not None else next(model.parameters()).device
-        self.materialized = materialize(model, self.device, group, init_fn, on_final=lambda p: None)
+        self.materialized = materialize(model, self.device, init_group if init_group is not None else group, init_fn,
+                                        on_final=lambda p: None)
         self.unset_params = list(self.materialized.unset_params)
         for group_dict in optimizer.param_groups:
             params = [p for p in group_dict["params"] if p.requires_grad]

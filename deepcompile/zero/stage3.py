@@ -27,15 +27,18 @@ class Zero3Sharding(Sharding):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, precision: PrecisionPolicy,
                  group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None,
-                 init_fn: Optional[InitFn] = None, masters_offloadable: bool = False):
+                 init_fn: Optional[InitFn] = None, masters_offloadable: bool = False,
+                 init_group: Optional[dist.ProcessGroup] = None):
+        # ``group``: the ranks parameters are partitioned over (a shard group under hybrid
+        # sharding); ``init_group``: the ranks materialisation takes rank 0's values over (default
+        # ``group``), the world under hybrid sharding so that every replica starts the same.
         self.module = model
         self.group = group
         self.rank = dist.get_rank(group)
-        self.group = group
         self.params: List[ShardedParam]
         self.params, self.materialized = partition_parameters(
             model, config.zero_optimization.stage3_param_persistence_threshold, group, device=device, init_fn=init_fn,
-            gather_dtype=precision.gather_dtype,
+            gather_dtype=precision.gather_dtype, init_group=init_group,
         )
         self.device = self.params[0].shard.device if self.params else torch.device(device or "cpu")
         self.unset_params = list(self.materialized.unset_params)

@@ -39,6 +39,11 @@ class MirrorCommunicator final : public Communicator {
     ++reduces;
     roots.push_back(root);  // the average of equal buffers: the buffer itself
   }
+  void allReduce(const at::Tensor& buffer) override {
+    all_reduced.push_back(buffer.numel());  // the average of equal buffers: the buffer itself
+    // What it reads must be complete: the last reduce-scatter's or reduce's group has ended.
+    all_reduce_after_group.push_back(groups);
+  }
   CompletionPtr endGroup() override { return readyCompletion(); }
   std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {
     std::vector<int64_t> out;
@@ -47,6 +52,8 @@ class MirrorCommunicator final : public Communicator {
   }
   int groups = 0, gathers = 0, reduce_scatters = 0, reduces = 0;
   std::vector<int> roots;
+  std::vector<int64_t> all_reduced;           // numel of each all-reduce, in issue order
+  std::vector<int> all_reduce_after_group;    // beginGroup count when each all-reduce was issued
 
  private:
   int rank_, world_;

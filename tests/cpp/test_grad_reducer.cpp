@@ -108,3 +108,52 @@ TEST(GradReducer, ReducesReplicatedParamsToTheirOwnersWithoutARuntime) {
   reducer.releaseBuckets();
   EXPECT_EQ(reducer.bucketNumel(), 0);
 }
+
+// Hybrid sharding: each partition a rank receives from its shard group is averaged once more over
+// the replica communicator, in its own group on the same lane.
+TEST(GradReducer, HybridAveragesEachReceivedPartitionOverTheReplicas) {
+  auto shard = std::make_unique<MirrorCommunicator>(/*rank=*/1, /*world=*/2);
+  auto replica = std::make_unique<MirrorCommunicator>(/*rank=*/0, /*world=*/2);
+  MirrorCommunicator* shard_comm = shard.get();
+  MirrorCommunicator* replica_comm = replica.get();
+  RuntimeConfig cfg;
+  cfg.reduce_bucket_size = 64;
+  Runtime rt(makeHostLanes(), std::move(shard), cfg, std::move(replica));
+  at::Tensor t1 = at::empty({3}), t2 = at::empty({2});
+  rt.registerZ3Params({{1, {5}, at::zeros({3}), t1, false, std::nullopt},
+                       {2, {4}, at::zeros({2}), t2, false, std::nullopt}});
+  rt.registerGraph(1, {1, 2}, 3);
+  rt.startBackward(true);
+  auto& ex = rt.executor(1, "test");
+  ex.reduceGrad(at::arange(5, at::kFloat), 1, "test");
+  ex.reduceGrad(at::full({4}, 2.0f), 2, "test");
+  rt.reducer().flushAll();
+  EXPECT_EQ(shard_comm->reduce_scatters, 2);
+  EXPECT_EQ(replica_comm->all_reduced, (std::vector<int64_t>{3, 2}));  // one per partition, ppr each
+  EXPECT_EQ(replica_comm->groups, 1);
+  EXPECT_EQ(replica_comm->gathers + replica_comm->reduce_scatters + replica_comm->reduces, 0);
+  // Rank 1 of the shard group holds [3, 6) of the 6-element padded gradient 0 1 2 3 4 (0).
+  EXPECT_TRUE(at::equal(t1, at::tensor({3.0f, 4.0f, 0.0f})));
+  EXPECT_TRUE(at::equal(t2, at::tensor({2.0f, 2.0f})));
+  EXPECT_EQ(rt.world(), 2);  // parameters are partitioned over the shard group only
+}
+
+TEST(GradReducer, HybridZero12AllReducesOnlyTheOwnedPieces) {
+  DSParamRegistry registry;
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(/*rank=*/1, /*world=*/2);
+  MirrorCommunicator replicas(/*rank=*/1, /*world=*/3);
+  GradReducer reducer(registry, *lanes, comm, /*bucket_size=*/16, /*double_buffer=*/true, &replicas);
+  Z12Layout layout;
+  layout.param = at::zeros({5});
+  layout.group_offset = 1;  // [1, 6) of a group split into partitions of 3: rank 1 owns [2, 5)
+  layout.partition_numel = 3;
+  DSParam p(3, {5}, 2, std::move(layout));
+  p.grad_target = at::empty({3});
+  registry.add(p);
+  reducer.enqueue(registry.get(3), at::arange(5, at::kFloat));
+  reducer.flushAll();
+  EXPECT_EQ(comm.roots, (std::vector<int>{0, 1}));
+  EXPECT_EQ(replicas.all_reduced, (std::vector<int64_t>{3}));
+  EXPECT_TRUE(at::equal(registry.get(3).grad_target, at::tensor({2.0f, 3.0f, 4.0f})));
+}

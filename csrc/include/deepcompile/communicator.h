@@ -14,6 +14,18 @@ namespace deepcompile {
 
 class Lanes;
 
+// Payload bytes of the collectives one communicator issued: the size of the whole buffer each
+// collective works on, in the dtype it was issued in (an all-gather's output, a reduce-scatter's
+// input, a reduce's or all-reduce's buffer), on this rank. What crosses the links follows from
+// it and the communicator's size (docs/design/hybrid_sharding.md); control exchanges
+// (allGatherInts) are not counted.
+struct CommBytes {
+  int64_t all_gather = 0;
+  int64_t reduce_scatter = 0;
+  int64_t reduce = 0;
+  int64_t all_reduce = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -34,11 +46,22 @@ class Communicator {
   virtual void reduceScatter(const at::Tensor& send, const at::Tensor& recv) = 0;
   // buffer on rank `root` = average over ranks of buffer (in place; other ranks' buffers are scratch).
   virtual void reduce(const at::Tensor& buffer, int root) = 0;
+  // buffer on every rank = average over ranks of buffer (in place).
+  virtual void allReduce(const at::Tensor& buffer) = 0;
   virtual CompletionPtr endGroup() = 0;
 
   // Blocking exchange of a few host integers: returns size() * values.size() entries, rank-major.
   // Every rank must pass the same number of values.
   virtual std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) = 0;
+
+  // Counted by every collective above (the implementations call count()); the engine reads and
+  // resets them once per optimizer step.
+  const CommBytes& bytes() const { return bytes_; }
+  void resetBytes() { bytes_ = CommBytes{}; }
+
+ protected:
+  static int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+  CommBytes bytes_;
 };
 
 std::unique_ptr<Communicator> makeProcessGroupCommunicator(

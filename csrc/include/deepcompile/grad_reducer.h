@@ -1,7 +1,9 @@
 // Gradient reduction shared by all executors: gradients are copied into per-dtype reduce
 // buckets on the copy lane and reduced on the reduce lane, ZeRO-3 parameters with a
 // reduce-scatter of a zero-padded slot, ZeRO-1/2 parameters with one reduce per owning rank
-// (so each rank receives only its partition, never the full gradient).
+// (so each rank receives only its partition, never the full gradient). Under hybrid sharding the
+// communicator spans the shard group and each received partition is then averaged over the
+// replica communicator (the ranks holding the same partition in the other shard groups).
 #pragma once
 
 #include <deepcompile/common.h>
@@ -20,7 +22,8 @@ class GradReducer {
  public:
   // The registry is where flushes find each task's parameter (its target and window state);
   // lanes and communicator are where the copies and collectives are issued.
-  GradReducer(DSParamRegistry& registry, Lanes& lanes, Communicator& comm, int64_t bucket_size, bool double_buffer);
+  GradReducer(DSParamRegistry& registry, Lanes& lanes, Communicator& comm, int64_t bucket_size, bool double_buffer,
+              Communicator* replica_comm = nullptr);
 
   void enqueue(DSParam& param, const at::Tensor& grad);
   void flush(at::ScalarType dtype);
@@ -43,6 +46,7 @@ class GradReducer {
   DSParamRegistry& registry_;
   Lanes& lanes_;
   Communicator& comm_;
+  Communicator* replica_comm_;  // null: no replicas (every rank is in the one shard group)
   DoubleBufferedReduceBucket buckets_;
   std::map<at::ScalarType, std::vector<Task>> tasks_;
 };

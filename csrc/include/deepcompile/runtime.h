@@ -29,13 +29,19 @@ struct RuntimeConfig {
 
 class Runtime {
  public:
-  Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config);
+  // `comm` spans the shard group: every gather, reduce-scatter and reduce runs on it, and its
+  // rank and size are the ones parameters are partitioned by. `replica_comm` (hybrid sharding
+  // only; null otherwise) spans the ranks holding the same shard in the other shard groups: each
+  // reduced gradient partition is averaged over it (docs/design/hybrid_sharding.md).
+  Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config,
+          std::unique_ptr<Communicator> replica_comm = nullptr);
   ~Runtime();
   // Executors and the reducer hold references into the runtime.
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
   Communicator& comm() { return *comm_; }
+  Communicator* replicaComm() { return replica_comm_.get(); }
   Lanes& lanes() { return *lanes_; }
   DSParamRegistry& registry() { return registry_; }
   GradReducer& reducer() { return *reducer_; }
@@ -102,6 +108,7 @@ class Runtime {
   // Declaration order is construction order: the executor context refers to everything above it.
   std::unique_ptr<Lanes> lanes_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> replica_comm_;
   RuntimeConfig config_;
   DSParamRegistry registry_;
   bool update_step_ = false;

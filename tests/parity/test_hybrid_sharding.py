@@ -1,0 +1,168 @@
+"""Hybrid sharding (``zero_optimization.mics_shard_size``, ``initialize(shard_group_size=)``)
+end to end: parity with single-process training and the bytes each link carries.
+
+4 gloo ranks on CPU, as 2 shard groups of 2 (2x2) and as one group of 4 (1x4, plain ZeRO); on
+GPUs (``DC_TEST_DEVICE=cuda``, marked ``gpu``) 2 ranks as 2x1 and 1x2. Parity compares losses, the
+global gradient norm of every optimizer step (a replica all-reduce that sums instead of
+averaging, or runs twice, is off by a factor there) and the final parameters, as every parity
+suite does. The byte counts are the runtime's own (``engine.step_report.comm_bytes``), asserted
+against what the sizes predict (docs/design/hybrid_sharding.md):
+
+* replica link: per optimizer step, one all-reduce of each gradient partition (``ppr`` fp32
+  elements per parameter under ZeRO-3; this rank's owned pieces under ZeRO-1/2), nothing else;
+* shard link: reduce-scatters of the padded gradients, and gathers of the padded parameters of
+  the shard group's size, so per-rank wire bytes of the gathers scale with ``(S - 1) / S`` of the
+  full parameters instead of ``(W - 1) / W``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from _harness.multiproc import require_world_size, run_distributed, test_device_type
+from _harness.parity_cases import assert_parity, build_model, train_engine, train_reference
+from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
+
+CPU_WORLD = 4
+TIMEOUT = 600
+
+
+def _config(stage, shard, gas=1, **zero):
+    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "mics_shard_size": shard, **zero},
+            "gradient_accumulation_steps": gas}
+
+
+def _padded(numel, ranks):
+    return -(-numel // ranks) * ranks
+
+
+def _parity_body(ctx, cases):
+    """Every case in one launch: (stage, shard size, backend, gradient accumulation steps)."""
+    from deepcompile import runtime
+
+    for stage, shard, backend, gas in cases:
+        steps = 2 * gas if gas > 1 else 3
+        got, engine = train_engine("mlp", steps, _config(stage, shard, gas), backend, ctx.device)
+        ref = train_reference("mlp", steps, gas=gas, device=ctx.device)
+        case = f"ZeRO-{stage} {ctx.world_size // shard}x{shard} {backend} gas {gas}"
+        try:
+            assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
+        except AssertionError as e:
+            raise AssertionError(f"{case}: {e}") from None
+        # Partitioned over the shard group only; a replica link exactly when there are replicas.
+        assert runtime.world_size() == shard, case
+        topology = engine.topology
+        if shard < ctx.world_size:  # shard groups of consecutive ranks, replicas at a stride of S
+            first = ctx.rank // shard * shard
+            assert dist.get_process_group_ranks(topology.shard_group) == list(range(first, first + shard)), case
+            assert dist.get_process_group_ranks(topology.replica_group) == \
+                list(range(ctx.rank % shard, ctx.world_size, shard)), case
+        else:
+            assert topology.shard_group is dist.group.WORLD and topology.replica_group is None, case
+        links = engine.step_report.comm_bytes
+        assert set(links) == ({"shard", "replica"} if shard < ctx.world_size else {"shard"}), (case, links)
+        engine.destroy()
+
+
+def _parity_cases(world):
+    shard = world // 2
+    cases = [(3, shard, "eager", 1), (3, shard, "inductor", 1), (3, world, "eager", 1)]
+    cases += [(stage, shard, "eager", 2) for stage in (1, 2)]
+    cases += [(2, shard, "inductor", 1)]
+    return cases
+
+
+@pytest.mark.world_size(CPU_WORLD)
+def test_hybrid_parity_zero123_eager_and_inductor():
+    if test_device_type() != "cpu":
+        pytest.skip("the GPU variant is test_hybrid_parity_on_two_gpus")
+    run_distributed(_parity_body, CPU_WORLD, args=(_parity_cases(CPU_WORLD),), timeout=TIMEOUT)
+
+
+@pytest.mark.gpu
+@pytest.mark.world_size(2)
+def test_hybrid_parity_on_two_gpus():
+    """2 GPUs as 2x1 (replicas of one rank each: every gradient crosses only the replica link)
+    and 1x2 (plain)."""
+    require_world_size(2)
+    cases = [(3, 1, "eager", 1), (3, 1, "inductor", 1), (3, 2, "eager", 1), (1, 1, "eager", 2), (2, 1, "eager", 2)]
+    run_distributed(_parity_body, 2, args=(cases,), timeout=TIMEOUT)
+    run_distributed(_bytes_body, 2, timeout=TIMEOUT)
+
+
+# ---- counted bytes ----------------------------------------------------------------------------------
+
+
+def _zero3_step_bytes(ctx, shard):
+    """The runtime's counts of the last of three ZeRO-3 steps, every parameter persistent (so each
+    is gathered exactly once per step, after the update invalidated it), and the predictions."""
+    got, engine = train_engine("mlp", 3, _config(3, shard, stage3_param_persistence_threshold=10**6), "eager",
+                               ctx.device)
+    counted = engine.step_report.comm_bytes
+    engine.destroy()
+    sizes = [p.numel() for p in build_model("mlp").parameters()]
+    fp32 = 4
+    predicted = {"shard": {"ranks": shard, "all_gather": fp32 * sum(_padded(n, shard) for n in sizes),
+                           "reduce_scatter": fp32 * sum(_padded(n, shard) for n in sizes),
+                           "reduce": 0, "all_reduce": 0}}
+    replicas = ctx.world_size // shard
+    if replicas > 1:
+        predicted["replica"] = {"ranks": replicas, "all_gather": 0, "reduce_scatter": 0, "reduce": 0,
+                                "all_reduce": fp32 * sum(_padded(n, shard) // shard for n in sizes)}
+    return counted, predicted
+
+
+def _zero2_step_bytes(ctx, shard):
+    """ZeRO-2: one reduce per owned range of every gradient on the shard link, this rank's owned
+    pieces all-reduced on the replica link."""
+    got, engine = train_engine("mlp", 2, _config(2, shard), "eager", ctx.device)
+    counted = engine.step_report.comm_bytes
+    owned = sum(s.end - s.start for s in engine.sharding.shards())
+    engine.destroy()
+    numel = sum(p.numel() for p in build_model("mlp").parameters())
+    return counted, 4 * numel, 4 * owned
+
+
+def _without_wire(link):
+    return {k: v for k, v in link.items() if k != "wire"}
+
+
+def _bytes_body(ctx):
+    world = ctx.world_size
+    hybrid = world // 2
+    hybrid_counts, hybrid_predicted = _zero3_step_bytes(ctx, hybrid)
+    plain_counts, plain_predicted = _zero3_step_bytes(ctx, world)
+    for counted, predicted in ((hybrid_counts, hybrid_predicted), (plain_counts, plain_predicted)):
+        assert {k: _without_wire(v) for k, v in counted.items()} == predicted, (counted, predicted)
+    # Wire bytes per rank (ring algorithms): the gathers and reduce-scatters cross (S-1)/S of their
+    # payload, the replica all-reduce 2(R-1)/R. The shard link's gather traffic falls from
+    # (W-1)/W to (S-1)/S of the padded parameters.
+    for counted in (hybrid_counts, plain_counts):
+        for link in counted.values():
+            n = link["ranks"]
+            expected = (n - 1) / n * (link["all_gather"] + link["reduce_scatter"] + link["reduce"]) \
+                + 2 * (n - 1) / n * link["all_reduce"]
+            assert link["wire"] == round(expected), counted
+    gather_factor = (hybrid_counts["shard"]["all_gather"] * (hybrid - 1) / hybrid) / \
+        (plain_counts["shard"]["all_gather"] * (world - 1) / world)
+    sizes = [p.numel() for p in build_model("mlp").parameters()]
+    predicted_factor = (sum(_padded(n, hybrid) for n in sizes) * (hybrid - 1) / hybrid) / \
+        (sum(_padded(n, world) for n in sizes) * (world - 1) / world)
+    assert gather_factor == pytest.approx(predicted_factor, rel=1e-12)
+    # Nothing but the gradient partitions' all-reduce crosses between replicas.
+    replica = hybrid_counts["replica"]
+    assert replica["all_gather"] == replica["reduce_scatter"] == replica["reduce"] == 0 and replica["all_reduce"] > 0
+
+    counted, reduced, owned = _zero2_step_bytes(ctx, hybrid)
+    assert _without_wire(counted["shard"]) == {"ranks": hybrid, "all_gather": 0, "reduce_scatter": 0,
+                                               "reduce": reduced, "all_reduce": 0}, counted
+    assert _without_wire(counted["replica"]) == {"ranks": world // hybrid, "all_gather": 0, "reduce_scatter": 0,
+                                                 "reduce": 0, "all_reduce": owned}, counted
+
+
+@pytest.mark.world_size(CPU_WORLD)
+def test_hybrid_bytes_per_link_match_the_prediction():
+    if test_device_type() != "cpu":
+        pytest.skip("the GPU variant runs in test_hybrid_parity_on_two_gpus")
+    run_distributed(_bytes_body, CPU_WORLD, timeout=TIMEOUT)
