@@ -123,13 +123,14 @@ class Gathered:
         runtime keeps (persistent parameters, prefetches) is dropped as stale."""
         stages = {}
         for p, (sharding, sp) in self._entered:
-            group = sharding.group
-            src = dist.get_global_rank(group, self._modifier_rank) if group is not None else self._modifier_rank
+            # Over the world, from global rank ``modifier_rank`` (DeepSpeed's meaning): under hybrid
+            # sharding the stage's group is one shard group, and every replica must take the same
+            # values.
             value = p.data.detach()
             # gloo does not broadcast every half type on every torch version; fp32 holds them exactly.
             wire = value.float() if value.device.type == "cpu" and value.dtype in (torch.bfloat16, torch.float16) \
                 else value.clone()
-            dist.broadcast(wire, src=src, group=group)
+            dist.broadcast(wire, src=self._modifier_rank)
             shard = next(s for s in sharding.shards() if s.ds_id == sp.ds_id)
             with torch.no_grad():
                 shard.local.copy_(wire.reshape(-1)[shard.start:shard.end])

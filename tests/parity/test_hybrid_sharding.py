@@ -18,6 +18,7 @@ against what the sizes predict (docs/design/hybrid_sharding.md):
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from _harness.multiproc import require_world_size, run_distributed, test_device_type
@@ -160,6 +161,21 @@ def _bytes_body(ctx):
                                                "reduce": reduced, "all_reduce": 0}, counted
     assert _without_wire(counted["replica"]) == {"ranks": world // hybrid, "all_gather": 0, "reduce_scatter": 0,
                                                  "reduce": 0, "all_reduce": owned}, counted
+    _modifier_rank_reaches_every_replica(ctx, hybrid)
+
+
+def _modifier_rank_reaches_every_replica(ctx, shard):
+    """GatheredParameters(modifier_rank=0) writes global rank 0's values into every shard group,
+    not each group's first rank's (a replica that took its own would train another model)."""
+    from deepcompile.zero.gathered_params import Gathered
+
+    _, engine = train_engine("mlp", 1, _config(3, shard), None, ctx.device)
+    bias = engine.module.fc2.bias
+    with Gathered([bias], modifier_rank=0):
+        bias.data.fill_(float(ctx.rank + 1))
+    state = engine.full_state_dict(all_ranks=True)
+    engine.destroy()
+    assert torch.equal(state["fc2.bias"], torch.ones(5)), state["fc2.bias"]
 
 
 @pytest.mark.world_size(CPU_WORLD)
