@@ -322,7 +322,9 @@ def save_hf(state: TrainingState, directory: Union[str, os.PathLike], *,
     for shard, full in sharding.full_params():
         entry = entry_of[id(module.get_parameter(shard.name))]
         gathered.add(id(entry.tensor))
-        if full is None or problems:
+        # Under hybrid sharding every shard group's first rank receives the full tensor; the
+        # world's rank 0 alone writes.
+        if full is None or not writing or problems:
             continue
         try:
             for name, tensor in _stored_tensors(entry.names[0], full, conversions):

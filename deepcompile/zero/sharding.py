@@ -95,7 +95,7 @@ class Sharding(abc.ABC):
 
     @abc.abstractmethod
     def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
-        """The module's state dict with full parameters, as CPU tensors, on the group's first rank
+        """The module's state dict with full parameters, as CPU tensors, on the world's rank 0
         ({} on the others, as torch's rank-0-only full state dicts); with ``all_ranks``, identical
         on every rank. Collective: every rank must call it."""
 

@@ -193,7 +193,8 @@ class Zero12Sharding(Sharding):
 
     @torch.no_grad()
     def full_state_dict(self, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
-        if not all_ranks and self.rank != 0:
+        # The world's rank 0 (under hybrid sharding each shard group has a first rank of its own).
+        if not all_ranks and dist.get_rank() != 0:
             return {}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 

@@ -119,7 +119,8 @@ class Zero3Sharding(Sharding):
             full = {id(sp.param): gather_full_copy(sp.param, sp.ds_id).cpu() for sp in self.params}
         else:  # gathered to the first rank only: the others never hold a full parameter
             full = {id(self.params[s.ds_id].param): t.cpu() for s, t in self.full_params() if t is not None}
-            if self.rank != 0:
+            # The world's rank 0 (under hybrid sharding each shard group's first rank gathered too).
+            if dist.get_rank() != 0:
                 return {}
         out: Dict[str, torch.Tensor] = {}
         for name, value in self.module.state_dict(keep_vars=True).items():

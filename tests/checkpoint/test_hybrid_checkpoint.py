@@ -1,5 +1,6 @@
 """Checkpoints across layouts: saved under hybrid sharding (4 ranks as 2 shard groups of 2), loaded
-by 3 ranks sharding plainly (1x3), ZeRO-3 and ZeRO-2.
+by 3 ranks sharding plainly (1x3), ZeRO-3 and ZeRO-2; the same engine's full state dict and
+Hugging Face export come from the world's rank 0 only.
 
 Replicas hold the same pieces, and only the first shard group writes them: every stored tensor is
 written as chunks that tile it once (DCP refuses overlapping chunks). Loading copies, so the
@@ -55,7 +56,22 @@ def _save_body(ctx, root):
                 ends = [0] + [offset + size for offset, size in chunks]
                 assert len(chunks) <= 2 and [offset for offset, _ in chunks] == ends[:-1] and ends[-1] == p.numel(), \
                     (name, chunks)
+        _exports_once_from_rank_0(ctx, engine, os.path.join(root, f"hf{stage}"), expected["state"])
         engine.destroy()
+
+
+def _exports_once_from_rank_0(ctx, engine, folder, full):
+    """Every shard group's first rank receives full parameters when they are gathered; the world's
+    rank 0 alone returns them from full_state_dict() and writes the safetensors export."""
+    from safetensors.torch import load_file
+
+    state = engine.full_state_dict()
+    assert bool(state) == (ctx.rank == 0), f"rank {ctx.rank} got {sorted(state)}"
+    engine.save_hf(folder)
+    exported = load_file(os.path.join(folder, "model.safetensors"))
+    assert exported.keys() == full.keys()
+    for key, value in full.items():
+        assert torch.equal(exported[key], value), key
 
 
 def _load_body(ctx, root):
