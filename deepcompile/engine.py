@@ -132,6 +132,7 @@ class Engine:
             budget=self.memory_budget,
             max_live_numel=config.zero_optimization.stage3_max_live_parameters,
             max_reuse_numel=config.zero_optimization.stage3_max_reuse_distance,
+            gather_group=self.topology.shard_group,
         )
         # The optional features (offloading, the step in the backward, the debug checks, the step
         # report's line and timings), in the order their hooks run (parts.py).

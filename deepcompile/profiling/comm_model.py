@@ -59,8 +59,11 @@ def _sizes(device: torch.device, max_bytes: Optional[int]) -> List[int]:
 
 
 def measure_allgather(group: Optional[dist.ProcessGroup], device: torch.device, trials: int = 3,
-                      max_bytes: Optional[int] = None, sizes: Optional[Sequence[int]] = None) -> CommModel:
-    """Time all-gathers of several sizes on ``group``; every rank gets the same (MAX) model."""
+                      max_bytes: Optional[int] = None, sizes: Optional[Sequence[int]] = None, *,
+                      agree_group: Optional[dist.ProcessGroup] = None) -> CommModel:
+    """Time all-gathers of several sizes on ``group`` (the ranks parameters are gathered over: a
+    shard group under hybrid sharding); every rank of ``agree_group`` (default: ``group``) gets
+    the same (MAX) model, so that ranks whose plans must match plan from the same numbers."""
     world = dist.get_world_size(group)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     points: List[Tuple[int, float]] = []
@@ -86,7 +89,7 @@ def measure_allgather(group: Optional[dist.ProcessGroup], device: torch.device, 
         del shard, full
     times = torch.tensor([t for _, t in points], dtype=torch.float64,
                          device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=agree_group if agree_group is not None else group)
     points = [(b, t) for (b, _), t in zip(points, times.cpu().tolist())]
     # Keep the curve non-decreasing: noise must not make a larger gather look cheaper.
     for i in range(1, len(points)):

@@ -68,8 +68,11 @@ class ScheduleDriver:
                  group: Optional[dist.ProcessGroup], device: torch.device, rank: int, accumulation_steps: int,
                  resident_ids: Sequence[int] = (), param_names: Optional[Dict[int, str]] = None,
                  budget: Optional[MemoryBudget] = None, max_live_numel: Optional[int] = None,
-                 max_reuse_numel: Optional[int] = None):
+                 max_reuse_numel: Optional[int] = None, gather_group: Optional[dist.ProcessGroup] = None):
         self.compile_config = compile_config
+        # Where ZeRO-3 gathers run (a shard group under hybrid sharding): the link the
+        # communication model is measured on. None: ``group``.
+        self.gather_group = gather_group
         self.schedule = schedule
         self.stage = stage
         self.group = group
@@ -234,7 +237,9 @@ class ScheduleDriver:
         else:
             self.chain.clear()
         if entry.passes and self.comm is None:
-            self.comm = measure_allgather(self.group, self.device, max_bytes=self._largest_gather_bytes())
+            gathers_over = self.gather_group if self.gather_group is not None else self.group
+            self.comm = measure_allgather(gathers_over, self.device, max_bytes=self._largest_gather_bytes(),
+                                          agree_group=self.group)
         for ds_id in self.chosen_persistent:
             runtime.set_persistent(ds_id, False)
         self.chosen_persistent = []
