@@ -1,8 +1,8 @@
 """Hybrid sharding (``zero_optimization.mics_shard_size``, ``initialize(shard_group_size=)``)
 end to end: parity with single-process training and the bytes each link carries.
 
-4 gloo ranks on CPU, as 2 shard groups of 2 (2x2) and as one group of 4 (1x4, plain ZeRO); on
-GPUs (``DC_TEST_DEVICE=cuda``, marked ``gpu``) 2 ranks as 2x1 and 1x2. Parity compares losses, the
+4 gloo ranks on CPU (or 4 GPUs), as 2 shard groups of 2 (2x2) and as one group of 4 (1x4, plain
+ZeRO); on 2 GPUs (``DC_TEST_DEVICE=cuda``, the test marked ``gpu``) 2 ranks as 2x1 and 1x2. Parity compares losses, the
 global gradient norm of every optimizer step (a replica all-reduce that sums instead of
 averaging, or runs twice, is off by a factor there) and the final parameters, as every parity
 suite does. The byte counts are the runtime's own (``engine.step_report.comm_bytes``), asserted
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness.multiproc import require_world_size, run_distributed, test_device_type
+from _harness.multiproc import require_world_size, run_distributed
 from _harness.parity_cases import assert_parity, build_model, train_engine, train_reference
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
@@ -86,8 +86,7 @@ def _parity_cases(world):
 
 @pytest.mark.world_size(CPU_WORLD)
 def test_hybrid_parity_zero123_eager_and_inductor():
-    if test_device_type() != "cpu":
-        pytest.skip("the GPU variant is test_hybrid_parity_on_two_gpus")
+    require_world_size(CPU_WORLD)  # on GPUs: 4 of them (2 GPUs: test_hybrid_parity_on_two_gpus)
     run_distributed(_parity_body, CPU_WORLD, args=(_parity_cases(CPU_WORLD),), timeout=TIMEOUT)
 
 
@@ -189,6 +188,5 @@ def _modifier_rank_reaches_every_replica(ctx, shard):
 
 @pytest.mark.world_size(CPU_WORLD)
 def test_hybrid_bytes_per_link_match_the_prediction():
-    if test_device_type() != "cpu":
-        pytest.skip("the GPU variant runs in test_hybrid_parity_on_two_gpus")
+    require_world_size(CPU_WORLD)  # on GPUs: 4 of them (2 GPUs: test_hybrid_parity_on_two_gpus)
     run_distributed(_bytes_body, CPU_WORLD, timeout=TIMEOUT)
