@@ -29,10 +29,10 @@ from _harness.paths import ROOT, TESTS
 from _harness.two_nodes import LaunchFailure, TwoNodeJob, is_running
 from test_zero3_parity import FP32_TOL
 
-# Hybrid sharding (zero_optimization.mics_shard_size) is built on its own branch; flip this to
-# True when it is merged. test_hybrid_ready_says_whether_the_config_has_hybrid_sharding fails
-# until the flag agrees with the config, so the hybrid case cannot stay off by mistake.
-HYBRID_READY = False
+# Hybrid sharding (zero_optimization.mics_shard_size) is implemented: the hybrid case runs.
+# test_hybrid_ready_says_whether_the_config_has_hybrid_sharding fails unless the flag agrees with
+# the config, so the hybrid case cannot stay off by mistake.
+HYBRID_READY = True
 
 WORKER = str(TESTS / "_harness" / "multinode_worker.py")
 NPROC_PER_NODE = 2
