@@ -321,14 +321,14 @@ def _watch_sub_groups(engine, log):
 
 def _discover_counter(engine):
     off = engine.offload
-    original = off._discover
+    original = off.discover
     calls = []
 
     def counted(only_ids=None):
         calls.append(only_ids)
         return original(only_ids)
 
-    off._discover = counted
+    off.discover = counted
     return calls
 
 
