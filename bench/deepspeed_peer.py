@@ -179,11 +179,15 @@ def runner(ctx, key: str):
                                       model_parameters=model.parameters() if client is None else None)
     last_replan = 0
     if variant.deepcompile:
-        engine.compile(backend=ctx.backend)
-        if not engine.is_deepcompile_active():
-            # DeepSpeed falls back to plain torch.compile when DeepCompile cannot run here.
-            raise RuntimeError("DeepSpeed DeepCompile did not start (DeepSpeed fell back to plain torch.compile; "
-                               f"its DeepCompile runs on CUDA only, this run's device is {ctx.device.type})")
+        try:
+            engine.compile(backend=ctx.backend)
+            if not engine.is_deepcompile_active():
+                # DeepSpeed falls back to plain torch.compile where its DeepCompile declines the config.
+                raise RuntimeError("DeepSpeed DeepCompile did not start: DeepSpeed fell back to plain torch.compile "
+                                   "(its log above says why)")
+        except BaseException:
+            engine.destroy()  # no Runner owns it yet
+            raise
         from deepspeed.compile import backend as ds_backend
 
         last_replan = max((s for s, _ in ds_backend.remaining_schedule), default=0)
