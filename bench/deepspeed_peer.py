@@ -123,7 +123,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, key
                      "DeepSpeed DeepCompile registers the op namespace `dc` that deepcompile registers too); e.g. "
                      "python3 bench/train_bench.py --isolate --nproc 2 --methods ...")
     if args.warmup < MIN_WARMUP and any(VARIANTS[k].deepcompile for k in rows):
-        parser.error(f"--warmup must be >= {MIN_WARMUP} with DeepSpeed DeepCompile rows (its schedule re-plans at step 5)")
+        parser.error(f"--warmup must be >= {MIN_WARMUP} with DeepSpeed DeepCompile rows "
+                     "(its schedule re-plans at step 5)")
 
 
 def _bench(ctx):

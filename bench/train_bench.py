@@ -596,7 +596,8 @@ METHODS: Dict[str, Method] = {
     "z3-offload-all": Method("deepcompile ZeRO-3 + all offload kinds, budget",
                              lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "all")),
     "ddp": Method("DDP + compile", ddp_runner),
-    **{key: Method(name, lambda ctx, key=key: deepspeed_peer.runner(ctx, key)) for key, name in deepspeed_peer.ROWS.items()},
+    **{key: Method(name, lambda ctx, key=key: deepspeed_peer.runner(ctx, key))
+       for key, name in deepspeed_peer.ROWS.items()},
 }
 METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
 DEFAULT_METHODS = ["z3", "z3-prefetch", "z3-auto", "z1", "z2", "fsdp2", "ddp"]

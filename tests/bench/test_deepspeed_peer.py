@@ -37,8 +37,8 @@ def test_every_row_takes_the_deepcompile_rows_settings_from_the_same_options():
     # Options not given are not set: DeepSpeed's own defaults apply, as the library's do for deepcompile.
     plain = deepspeed_peer.deepspeed_config(_args(), "ds-z3", ADAMW, pin_memory=True)
     assert "sub_group_size" not in plain["zero_optimization"] and "communication_data_type" not in plain
-    assert (plain["zero_optimization"]["reduce_bucket_size"], plain["zero_optimization"]["stage3_param_persistence_threshold"]) \
-        == (20_000, 1_000)  # the tiny preset's, as its deepcompile rows get
+    zero = plain["zero_optimization"]  # the tiny preset's values, as its deepcompile rows get them
+    assert (zero["reduce_bucket_size"], zero["stage3_param_persistence_threshold"]) == (20_000, 1_000)
 
 
 def test_offload_and_deepcompile_sections_per_row():
@@ -48,7 +48,8 @@ def test_offload_and_deepcompile_sections_per_row():
     assert not any(k.startswith("offload_") for k in build("ds-z3")["zero_optimization"])
     host = {"device": "cpu", "pin_memory": True}
     z3_opt = build("ds-z3-offload-opt")
-    assert z3_opt["zero_optimization"]["offload_optimizer"] == host and "offload_param" not in z3_opt["zero_optimization"]
+    assert z3_opt["zero_optimization"]["offload_optimizer"] == host
+    assert "offload_param" not in z3_opt["zero_optimization"]
     # ZeRO offload refuses a client optimizer: the config names AdamW with the same hyper-parameters.
     assert z3_opt["optimizer"] == {"type": "AdamW", "params": ADAMW}
     both = build("ds-z3-offload", pin=False)  # CPU runs do not pin
@@ -69,7 +70,8 @@ def test_adamw_hyper_parameters_are_train_benchs_optimizer():
     args = _args("--lr", "3e-4")
     optimizer = train_bench.make_optimizer(types.SimpleNamespace(args=args), [torch.nn.Parameter(torch.zeros(2))])
     params = deepspeed_peer.adamw_params(optimizer.defaults)
-    assert params == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": optimizer.defaults["weight_decay"]}
+    assert params == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                      "weight_decay": optimizer.defaults["weight_decay"]}
     assert params["weight_decay"] == 0.01  # torch AdamW's default, which the deepcompile rows train with
 
 
@@ -78,7 +80,8 @@ def test_deepspeed_rows_need_their_own_process_and_deepcompiles_warmup():
         train_bench.parse_args(["--preset", "tiny", "--methods", "z3,ds-z3"])
     with pytest.raises(SystemExit):  # DeepSpeed DeepCompile re-plans at step 5
         train_bench.parse_args(["--preset", "tiny", "--isolate", "--methods", "ds-dc", "--warmup", "6"])
-    assert train_bench.parse_args(["--preset", "tiny", "--isolate", "--methods", "ds-z3", "--warmup", "1"]).methods == ["ds-z3"]
+    alone = train_bench.parse_args(["--preset", "tiny", "--isolate", "--methods", "ds-z3", "--warmup", "1"])
+    assert alone.methods == ["ds-z3"]
     # A row process of --isolate runs one row, without --isolate of its own.
     child = train_bench.parse_args(["--methods", "ds-dc", "--warmup", "7", "--child-json", "/tmp/row.json"])
     assert child.methods == ["ds-dc"]
