@@ -11,4 +11,4 @@ cmake -S . -B build/cpp -G Ninja -DTORCH_ROOT="$TORCH_ROOT" >/dev/null
 cmake --build build/cpp -j "$(nproc)"
 ctest --test-dir build/cpp --output-on-failure
 
-"$PY" -m pytest -q tests "$@"
+"$PY" -m pytest -q --durations=25 tests "$@"
