@@ -39,21 +39,24 @@ def _padded(numel, ranks):
 
 
 def _parity_body(ctx, cases):
-    """Every case in one launch: (stage, shard size, backend, gradient accumulation steps)."""
+    """Every case in one launch: (stage, shard size, backend, gradient accumulation steps[, the
+    compile section of a feature run together with hybrid sharding])."""
     from deepcompile import runtime
 
-    for stage, shard, backend, gas in cases:
+    for stage, shard, backend, gas, *feature in cases:
         steps = 2 * gas if gas > 1 else 3
         config = _config(stage, shard, gas)
+        if feature:
+            config["compile"] = dict(feature[0])
         # ZeRO-3 eager: the profile-guided passes plan after 2 steps (their all-gather timing runs
         # over the shard group, agreed over the world), and train on with the plan.
         planned = stage == 3 and backend == "eager"
         if planned:
-            config["compile"] = {"warmup_steps": 2}
+            config["compile"] = {**config.get("compile", {}), "warmup_steps": 2}
             steps = 4
         got, engine = train_engine("mlp", steps, config, backend, ctx.device)
         ref = train_reference("mlp", steps, gas=gas, device=ctx.device)
-        case = f"ZeRO-{stage} {ctx.world_size // shard}x{shard} {backend} gas {gas}"
+        case = f"ZeRO-{stage} {ctx.world_size // shard}x{shard} {backend} gas {gas}" + (f" {feature[0]}" if feature else "")
         try:
             assert_parity(got, ref, **(INDUCTOR_TOL if backend == "inductor" else FP32_TOL))
         except AssertionError as e:
@@ -70,6 +73,9 @@ def _parity_body(ctx, cases):
             assert topology.shard_group is dist.group.WORLD and topology.replica_group is None, case
         if planned:
             assert engine.schedule_report()["graphs"], f"{case}: the profile-guided passes did not run"
+        if feature:  # the feature was on, not only configured
+            wanted = "backward_step" if "optimizer_step_in_backward" in feature[0] else "optimizer_state_offload"
+            assert any(p.name == wanted for p in engine.parts), (case, [p.name for p in engine.parts])
         links = engine.step_report.comm_bytes
         assert set(links) == ({"shard", "replica"} if shard < ctx.world_size else {"shard"}), (case, links)
         engine.destroy()
@@ -81,6 +87,12 @@ def _parity_cases(world):
     cases = [(3, shard, "eager", 1), (3, shard, "inductor", 1)]
     cases += [(stage, shard, "eager", 2) for stage in (1, 2)]
     cases += [(2, shard, "inductor", 1)]
+    # Features combine: hybrid sharding with optimizer-state and parameter offload under gradient
+    # accumulation (host copies of shard-group partitions, stepped after the replica all-reduce),
+    # and with the optimizer step in the backward (each parameter's step right after its replica
+    # all-reduce, before the flush that ends the backward).
+    cases += [(3, shard, "eager", 2, {"offload_opt_states": True, "offload_parameters": True}),
+              (3, shard, "eager", 1, {"optimizer_step_in_backward": True})]
     return cases
 
 
