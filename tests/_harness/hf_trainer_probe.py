@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import runpy
 import sys
@@ -35,23 +34,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from deepcompile.integrations.deepspeed_api import zero_init  # noqa: E402
+from poison_grad import PoisonGrad  # noqa: E402  (this folder: the probe runs as a script)
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "examples", "hf_trainer.py")
-
-
-class _PoisonGrad(torch.autograd.Function):
-    """Identity forward; the backward writes inf into one element of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        grad.view(-1)[0] = math.inf
-        return grad
 
 
 def _held(model: torch.nn.Module) -> dict:
@@ -87,7 +73,7 @@ def main() -> None:
                     return out
                 step, micro["n"] = micro["n"], micro["n"] + 1
                 hit = step == args.poison_step and dist.get_rank() == args.poison_rank
-                return _PoisonGrad.apply(out) if hit else out
+                return PoisonGrad.apply(out) if hit else out
 
             model.get_input_embeddings().register_forward_hook(poison)
         engine, optimizer, loader, scheduler = real_initialize(*a, **kw)

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from _harness.multiproc import run_distributed, single_world_size
 from _harness.parity_cases import GLOBAL_BATCH, batch, build_model
+from _harness.poison_grad import PoisonGrad
 
 WORLD = single_world_size()
 FP16_RTOL, FP16_ATOL = 2e-3, 1e-3
@@ -56,24 +57,10 @@ def engine_config(stage: int, fp16: dict, gas: int = 1, clip: float = 0.0) -> di
             "steps_per_print": 1, "fp16": {"enabled": True, **fp16}}
 
 
-class _PoisonGrad(torch.autograd.Function):
-    """Identity forward; the backward writes inf into one element of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        grad.view(-1)[0] = math.inf
-        return grad
-
-
 def poison_on(model: nn.Module, when) -> None:
     """fc1's output gradient gets an inf whenever ``when()`` is true: fc1's gradients overflow
     on this rank only."""
-    model.fc1.register_forward_hook(lambda m, i, out: _PoisonGrad.apply(out) if when() else out)
+    model.fc1.register_forward_hook(lambda m, i, out: PoisonGrad.apply(out) if when() else out)
 
 
 # ---- the single-process reference -----------------------------------------------------------------
