@@ -13,10 +13,12 @@ using namespace deepcompile;
 namespace {
 
 // `group`: the shard group (the world without hybrid sharding); `replica_group`: the ranks holding
-// the same shard in the other shard groups, or None (runtime.h).
+// the same shard in the other shard groups, or None; `secondary_group`: hpZ's node-local group,
+// or None (runtime.h).
 void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device_type, int64_t device_index,
           int64_t bucket_size, bool double_buffer, int64_t free_threshold, const std::vector<bool>& syncs,
-          const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& replica_group) {
+          const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& replica_group,
+          const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& secondary_group) {
   TORCH_CHECK(syncs.size() == 4, "deepcompile: init expects 4 sync flags");
   RuntimeConfig config;
   config.reduce_bucket_size = bucket_size;
@@ -31,13 +33,16 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
   std::unique_ptr<Lanes> lanes;
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Communicator> replica_comm;
+  std::unique_ptr<Communicator> secondary_comm;
   const bool hybrid = replica_group.has_value() && *replica_group;
+  const bool hpz = secondary_group.has_value() && *secondary_group;
   if (device_type == "cuda") {
 #ifdef DC_WITH_NCCL
     const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
     lanes = makeDeviceLanes(device);
     comm = makeNcclCommunicator(group, device, *lanes);
     if (hybrid) replica_comm = makeNcclCommunicator(*replica_group, device, *lanes);
+    if (hpz) secondary_comm = makeNcclCommunicator(*secondary_group, device, *lanes);
 #else
     TORCH_CHECK(false, "deepcompile was built without NCCL support; device='cuda' is unavailable");
 #endif
@@ -46,8 +51,10 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
     lanes = makeHostLanes();
     comm = makeProcessGroupCommunicator(group);
     if (hybrid) replica_comm = makeProcessGroupCommunicator(*replica_group);
+    if (hpz) secondary_comm = makeProcessGroupCommunicator(*secondary_group);
   }
-  installRuntime(std::make_unique<Runtime>(std::move(lanes), std::move(comm), config, std::move(replica_comm)));
+  installRuntime(std::make_unique<Runtime>(std::move(lanes), std::move(comm), config, std::move(replica_comm),
+                                           std::move(secondary_comm)));
 }
 
 void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::vector<int64_t>>& shapes,
@@ -108,22 +115,19 @@ py::dict bytesDict(const CommBytes& b) {
   return d;
 }
 
-// Payload bytes per communicator since the last reset ("replica" only under hybrid sharding),
-// each with the communicator's size (what the wire bytes follow from).
+// Payload bytes per communicator since the last reset ("replica" only under hybrid sharding,
+// "secondary" only under hpZ), each with the communicator's size (what the wire bytes follow from).
 py::dict commBytes(bool reset) {
   Runtime& rt = currentRuntime();
   py::dict out;
-  py::dict shard = bytesDict(rt.comm().bytes());
-  shard["size"] = rt.comm().size();
-  out["shard"] = shard;
-  if (rt.replicaComm() != nullptr) {
-    py::dict replica = bytesDict(rt.replicaComm()->bytes());
-    replica["size"] = rt.replicaComm()->size();
-    out["replica"] = replica;
-  }
-  if (reset) {
-    rt.comm().resetBytes();
-    if (rt.replicaComm() != nullptr) rt.replicaComm()->resetBytes();
+  const std::pair<const char*, Communicator*> links[] = {
+      {"shard", &rt.comm()}, {"replica", rt.replicaComm()}, {"secondary", rt.secondaryComm()}};
+  for (const auto& [link, comm] : links) {
+    if (comm == nullptr) continue;
+    py::dict counted = bytesDict(comm->bytes());
+    counted["size"] = comm->size();
+    out[link] = counted;
+    if (reset) comm->resetBytes();
   }
   return out;
 }
@@ -148,6 +152,11 @@ PYBIND11_MODULE(_C, m) {
     Communicator* replica = currentRuntime().replicaComm();
     return replica != nullptr ? replica->size() : 1;
   });
+  m.def("secondary_size", [] {
+    Communicator* secondary = currentRuntime().secondaryComm();
+    return secondary != nullptr ? secondary->size() : 0;
+  });
+  m.def("secondary_bytes", [] { return currentRuntime().secondaryBytes(); });
   m.def("comm_bytes", &commBytes, "Payload bytes per communicator since the last reset", py::arg("reset") = false);
   m.def("register_z3_params", &registerZ3Params, py::call_guard<py::gil_scoped_release>());
   m.def("register_z12_param", [](int64_t id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
@@ -194,6 +203,7 @@ PYBIND11_MODULE(_C, m) {
   // ZeRO-3 state: a ZeRO-1/2 parameter raises (it has no gathered buffer, persistence or gather dtype).
   m.def("is_gathered", [](int64_t id) { return z3Of(id, "deepcompile: is_gathered").isGathered(); });
   m.def("is_persistent", [](int64_t id) { return z3Of(id, "deepcompile: is_persistent").persistent; });
+  m.def("secondary_valid", [](int64_t id) { return z3Of(id, "deepcompile: secondary_valid").secondary_valid; });
   m.def("gathered_buffer", &gatheredBuffer);
   m.def("gather_dtype", [](int64_t id) { return z3Of(id, "deepcompile: gather_dtype").gather_dtype; });
   m.def("registered_shard", &registeredData);

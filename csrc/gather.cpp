@@ -29,14 +29,14 @@ at::Tensor stageOwnChunk(const at::Tensor& source, at::ScalarType gather_dtype, 
 
 }  // namespace
 
-void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
-                   const std::vector<at::ScalarType>& dtypes) {
-  TORCH_INTERNAL_ASSERT(params.size() == dtypes.size());
+namespace {
+
+// One group of gathers over `comm`: each parameter's buffer (reused when its size and dtype fit)
+// receives every rank's chunk; the own chunk is staged from `sources[i]` (its shard, or its hpZ
+// secondary copy when `comm` is the secondary communicator).
+void issueGatherGroup(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
+                      const std::vector<at::ScalarType>& dtypes, bool from_secondary) {
   if (params.empty()) return;
-  prepareGatherSources(lanes, std::vector<const Z3Layout*>(params.begin(), params.end()));
-  // The gather reads the shard (final once the optimizer step queued on compute is done) and may
-  // overwrite a reused buffer that compute kernels still read: wait for compute first.
-  lanes.waitCompute(Lane::AllGather);
   {
     LaneScope scope(lanes, Lane::AllGather);
     comm.beginGroup(Lane::AllGather);
@@ -53,12 +53,71 @@ void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*
         p.gathered = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
       }
       // Fused down-cast; an offloaded shard is brought in here, as the first link of the gather.
-      comm.allGather(stageOwnChunk(gatherSource(lanes, p), p.gather_dtype, p.gathered, comm.rank()), p.gathered);
+      // A secondary copy is already in the gather dtype.
+      const at::Tensor source = from_secondary ? p.secondary : gatherSource(lanes, p);
+      comm.allGather(stageOwnChunk(source, p.gather_dtype, p.gathered, comm.rank()), p.gathered);
       p.valid = true;
     }
   }
   CompletionPtr done = comm.endGroup();
   for (Z3Layout* p : params) p->gather_done = done;
+}
+
+}  // namespace
+
+void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
+                   const std::vector<at::ScalarType>& dtypes, Communicator* secondary) {
+  TORCH_INTERNAL_ASSERT(params.size() == dtypes.size());
+  if (params.empty()) return;
+  std::vector<Z3Layout*> primary, local;
+  std::vector<at::ScalarType> primary_dtypes, local_dtypes;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool from_secondary = secondary != nullptr && params[i]->secondary_valid;
+    (from_secondary ? local : primary).push_back(params[i]);
+    (from_secondary ? local_dtypes : primary_dtypes).push_back(dtypes[i]);
+  }
+  prepareGatherSources(lanes, std::vector<const Z3Layout*>(primary.begin(), primary.end()));
+  // The gather reads the shard (final once the optimizer step queued on compute is done) and may
+  // overwrite a reused buffer that compute kernels still read: wait for compute first.
+  lanes.waitCompute(Lane::AllGather);
+  // Every rank of a secondary group holds the same secondary state (the same releases and
+  // invalidations ran everywhere), so the two groups are issued alike on every rank.
+  issueGatherGroup(lanes, comm, primary, primary_dtypes, false);
+  if (secondary != nullptr) issueGatherGroup(lanes, *secondary, local, local_dtypes, true);
+}
+
+void provideSecondary(Lanes& lanes, Communicator& secondary, Z3Layout& p, bool keep) {
+  if (!keep) {
+    // A gather queued on the all-gather lane may still read it.
+    if (p.secondary.defined()) lanes.recordStream(p.secondary, lanes.stream(Lane::AllGather));
+    p.secondary = at::Tensor();
+    p.secondary_valid = false;
+    return;
+  }
+  if (p.secondary.defined()) return;
+  TORCH_INTERNAL_ASSERT(p.padded_numel % secondary.size() == 0, "deepcompile: ds id ", p.ds_id, ": padded size ",
+                        p.padded_numel, " is not a multiple of the hpZ group size ", secondary.size());
+  p.secondary = at::empty({p.padded_numel / secondary.size()}, p.shard.options().dtype(p.gather_dtype));
+  p.secondary_valid = false;
+}
+
+void keepSecondary(Lanes& lanes, Communicator& secondary, Z3Layout& p) {
+  if (p.secondary_valid || !p.secondary.defined() || !p.isGathered() ||
+      p.gathered.scalar_type() != p.gather_dtype) {
+    return;
+  }
+  // The buffer is read on the compute stream, which waited for the gather before the use that
+  // now releases it (a CPU gather may still run on gloo's thread: finish it first).
+  if (p.gather_done) {
+    if (lanes.device().is_cpu()) {
+      p.gather_done->hostWait();
+    } else {
+      p.gather_done->blockStream(lanes.computeStream());
+    }
+  }
+  const int64_t chunk = p.secondary.numel();
+  p.secondary.copy_(p.gathered.narrow(0, static_cast<int64_t>(secondary.rank()) * chunk, chunk));
+  p.secondary_valid = true;
 }
 
 at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& p, at::ScalarType dtype) {

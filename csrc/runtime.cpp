@@ -33,14 +33,15 @@ const RuntimeConfig& validated(const RuntimeConfig& config) {
 }  // namespace
 
 Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config,
-                 std::unique_ptr<Communicator> replica_comm)
+                 std::unique_ptr<Communicator> replica_comm, std::unique_ptr<Communicator> secondary_comm)
     : lanes_(std::move(lanes)),
       comm_(std::move(comm)),
       replica_comm_(std::move(replica_comm)),
+      secondary_comm_(std::move(secondary_comm)),
       config_(validated(config)),
       reducer_(std::make_unique<GradReducer>(registry_, *lanes_, *comm_, config_.reduce_bucket_size,
                                              config_.double_buffer, replica_comm_.get())),
-      executor_context_{registry_, *lanes_, *comm_, *reducer_, update_step_,
+      executor_context_{registry_, *lanes_, *comm_, secondary_comm_.get(), *reducer_, update_step_,
                         [this](DsId id) { return anyExecutorHoldsGather(id); }} {}
 
 Runtime::~Runtime() { shutdown(); }
@@ -56,6 +57,7 @@ void Runtime::shutdown() {
   reducer_.reset();
   registry_.clear();
   replica_comm_.reset();
+  secondary_comm_.reset();
   comm_.reset();
 }
 
@@ -199,6 +201,8 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
     layout.gather_dtype = s.gather_dtype.value_or(s.shard.scalar_type());
     layout.persistent = s.persistent;
     DSParam p(s.id, s.shape, world, std::move(layout));
+    // hpZ: the secondary copy exists from registration on, so planners measure it as resident.
+    if (secondary_comm_) provideSecondary(*lanes_, *secondary_comm_, p.z3("register_z3_params"), !s.persistent);
     p.expected_grad_dtype = s.expected_grad_dtype;
     if (s.grad_target.defined() && s.grad_target.numel() != 0) {
       p.grad_target = s.grad_target;
@@ -256,10 +260,12 @@ void Runtime::unbindGradTargets(const std::optional<std::vector<DsId>>& ids) {
 void Runtime::setPersistent(DsId id, bool persistent) {
   Z3Layout& z3 = registry_.get(id).z3("deepcompile: set_persistent");
   z3.persistent = persistent;
+  // hpZ: a persistent parameter stays gathered between steps and never reads a secondary copy.
+  if (secondary_comm_) provideSecondary(*lanes_, *secondary_comm_, z3, !persistent);
   if (persistent) {
     // Gather now, in the gather dtype (what its uses ask for, so they need no conversion):
     // allocating persistent buffers early limits fragmentation.
-    if (!z3.isGathered()) launchGathers(*lanes_, *comm_, {&z3}, {z3.gather_dtype});
+    if (!z3.isGathered()) launchGathers(*lanes_, *comm_, {&z3}, {z3.gather_dtype}, secondary_comm_.get());
   } else if (!anyExecutorHoldsGather(id)) {
     freeGathered(*lanes_, z3);
   }
@@ -285,6 +291,7 @@ void Runtime::setHostShard(DsId id, const std::optional<at::Tensor>& host) {
 void Runtime::invalidateGathered(DsId id) { forgetGathered(registry_.get(id).z3("deepcompile: invalidate_gathered_param")); }
 
 void Runtime::forgetGathered(Z3Layout& z3) {
+  z3.secondary_valid = false;
   if (z3.persistent) return;
   if (z3.gather_done) z3.gather_done->hostWait();
   z3.gathered = at::Tensor();
@@ -298,12 +305,21 @@ void Runtime::clearAllGathered() {
 
 void Runtime::invalidateAllGathered() {
   registry_.forEachZ3([this](DSParam& p, Z3Layout& z3) {
+    z3.secondary_valid = false;  // the shards changed: so did what the secondary copy must hold
     if (z3.persistent) {
       z3.valid = false;  // keep the buffer; the next gather refills it
     } else if (z3.gathered.defined() && !anyExecutorHoldsGather(p.id)) {
       freeGathered(*lanes_, z3);
     }
   });
+}
+
+int64_t Runtime::secondaryBytes() {
+  int64_t total = 0;
+  registry_.forEachZ3([&total](DSParam&, Z3Layout& z3) {
+    if (z3.secondary.defined()) total += z3.secondary.numel() * static_cast<int64_t>(z3.secondary.element_size());
+  });
+  return total;
 }
 
 void Runtime::freeGatheredOf(DsId id) {

@@ -10,7 +10,7 @@ at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
   Z3Layout& z3 = p.z3("dc.allgather_param");
   const at::ScalarType target = dtype.value_or(z3.gather_dtype);
   if (!z3.isGathered()) {
-    launchGathers(ctx_.lanes, ctx_.comm, {&z3}, {target});
+    launchGathers(ctx_.lanes, ctx_.comm, {&z3}, {target}, ctx_.secondary_comm);
     return p.gatheredView();
   }
   // Prefetches and persistent gathers land in the gather dtype, which is also what a request
@@ -37,7 +37,7 @@ void Z3Executor::prefetch(const std::vector<DsId>& ids, const std::vector<at::Sc
     todo.push_back(&z3);
     todo_dtypes.push_back(dtypes[i]);
   }
-  launchGathers(ctx_.lanes, ctx_.comm, todo, todo_dtypes);
+  launchGathers(ctx_.lanes, ctx_.comm, todo, todo_dtypes, ctx_.secondary_comm);
 }
 
 void Z3Executor::wait(DsId id) {
@@ -61,6 +61,9 @@ void Z3Executor::release(DsId id, int64_t n_users) {
   if (--count.remaining > 0 || z3.persistent) return;
   // Several graphs may use a parameter at once (e.g. nested frames): the last holder frees it.
   if (ctx_.any_holds_gather(id)) return;
+  // hpZ: the first release after the shards changed leaves this rank's node-local chunk behind,
+  // so the next gathers (the backward's, the next micro-step's) stay inside the secondary group.
+  if (ctx_.secondary_comm != nullptr) keepSecondary(ctx_.lanes, *ctx_.secondary_comm, z3);
   freeGathered(ctx_.lanes, z3);
 }
 

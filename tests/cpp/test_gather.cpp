@@ -152,3 +152,51 @@ TEST(GatherHostShard, ShardStorageCheckCoversOffsetsAndEmptyParameters) {
   EXPECT_FALSE(shardHasStorage(view));
   EXPECT_FALSE(shardHasStorage(at::Tensor()));
 }
+
+// hpZ: a parameter whose secondary copy is current is gathered from it over the secondary group;
+// the others go over the whole group, as two groups.
+TEST(Gather, HpzReadsACurrentSecondaryCopyOverTheSecondaryGroup) {
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(/*rank=*/1, /*world=*/4);
+  MirrorCommunicator node(/*rank=*/1, /*world=*/2);
+  DSParam a = z3Param(1, 6, 4, 1.0f), b = z3Param(2, 6, 4, 2.0f);  // padded to 8, 4 per secondary rank
+  provideSecondary(*lanes, node, a.z3(), true);
+  provideSecondary(*lanes, node, b.z3(), true);
+  ASSERT_EQ(a.z3().secondary.numel(), 4);
+  EXPECT_FALSE(a.z3().secondary_valid);  // nothing kept yet: gathers read the shards
+  launchGathers(*lanes, comm, {&a.z3(), &b.z3()}, {at::kFloat, at::kFloat}, &node);
+  EXPECT_EQ(comm.groups, 1);
+  EXPECT_EQ(node.groups, 0);
+  // Released after a use: this rank's chunk of the secondary group (elements 4..7) is kept.
+  a.z3().gathered.copy_(at::arange(8, at::kFloat));
+  keepSecondary(*lanes, node, a.z3());
+  EXPECT_TRUE(a.z3().secondary_valid);
+  EXPECT_TRUE(at::equal(a.z3().secondary, at::arange(4, 8, at::kFloat)));
+  freeGathered(*lanes, a.z3());
+  EXPECT_TRUE(a.z3().secondary_valid);  // freeing the gathered buffer keeps the secondary copy
+  launchGathers(*lanes, comm, {&a.z3(), &b.z3()}, {at::kFloat, at::kFloat}, &node);
+  EXPECT_EQ(comm.groups, 2);  // b
+  EXPECT_EQ(node.groups, 1);  // a
+  EXPECT_EQ(node.gathers, 1);
+  EXPECT_TRUE(at::equal(a.z3().gathered, at::arange(4, 8, at::kFloat).repeat({2})));  // tiled by the mirror
+  // Dropping it (a persistent parameter needs none) sends the next gather over the whole group.
+  freeGathered(*lanes, a.z3());
+  provideSecondary(*lanes, node, a.z3(), false);
+  EXPECT_FALSE(a.z3().secondary.defined() || a.z3().secondary_valid);
+  launchGathers(*lanes, comm, {&a.z3()}, {at::kFloat}, &node);
+  EXPECT_EQ(comm.groups, 3);
+  EXPECT_EQ(node.groups, 1);
+}
+
+TEST(Gather, HpzKeepsOnlyABufferInTheGatherDtype) {
+  auto lanes = makeHostLanes();
+  MirrorCommunicator comm(0, 2), node(0, 2);
+  DSParam p = z3Param(1, 4, 2, 1.0f);  // gathered as fp32
+  provideSecondary(*lanes, node, p.z3(), true);
+  launchGathers(*lanes, comm, {&p.z3()}, {at::kBFloat16});  // another dtype was asked for
+  keepSecondary(*lanes, node, p.z3());
+  EXPECT_FALSE(p.z3().secondary_valid);  // a bf16 rounding is not the parameter's value
+  freeGathered(*lanes, p.z3());
+  keepSecondary(*lanes, node, p.z3());  // nothing gathered: nothing to keep
+  EXPECT_FALSE(p.z3().secondary_valid);
+}

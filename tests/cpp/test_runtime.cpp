@@ -176,3 +176,39 @@ TEST_F(RuntimeTest, SetHostShardRejectsZero12Params) {
   rt->registerZ12Param(8, {2}, at::ones({2}), 0, 2);
   EXPECT_NE(errorOf([&] { rt->setHostShard(8, at::ones({2})); }).find("not ZeRO-3"), std::string::npos);
 }
+
+// hpZ through the runtime: secondary copies exist for parameters that are not persistent, a
+// release keeps one, the next gather reads it over the secondary communicator, and every
+// invalidation (the shards changed) sends gathers back to the whole group.
+TEST(RuntimeHpz, ReleaseKeepsTheSecondaryCopyUntilTheShardsChange) {
+  auto primary = std::make_unique<MirrorCommunicator>(0, 4);
+  auto secondary = std::make_unique<MirrorCommunicator>(0, 2);
+  MirrorCommunicator* world = primary.get();
+  MirrorCommunicator* node = secondary.get();
+  Runtime rt(makeHostLanes(), std::move(primary), RuntimeConfig{}, nullptr, std::move(secondary));
+  rt.registerZ3Params({{1, {8}, at::ones({2}), at::Tensor(), false, std::nullopt},
+                       {2, {8}, at::ones({2}), at::Tensor(), /*persistent=*/true, std::nullopt}});
+  EXPECT_EQ(rt.secondaryBytes(), 4 * 4);  // id 1 only: 8 / 2 fp32 elements
+  rt.registerGraph(1, {1}, 3);
+  Z3Executor& ex = rt.z3Executor(1, "test");
+  const int before = world->gathers;
+  ex.allgather(1, std::nullopt);
+  EXPECT_EQ(world->gathers, before + 1);
+  ex.release(1, 1);
+  EXPECT_TRUE(rt.registry().get(1).z3("test").secondary_valid);
+  ex.allgather(1, std::nullopt);  // e.g. the backward's gather
+  EXPECT_EQ(world->gathers, before + 1);
+  EXPECT_EQ(node->gathers, 1);
+  ex.release(1, 1);
+  rt.invalidateAllGathered();  // after the optimizer step
+  EXPECT_FALSE(rt.registry().get(1).z3("test").secondary_valid);
+  ex.allgather(1, std::nullopt);
+  EXPECT_EQ(world->gathers, before + 2);
+  ex.release(1, 1);
+  rt.invalidateGathered(1);
+  EXPECT_FALSE(rt.registry().get(1).z3("test").secondary_valid);
+  rt.setPersistent(1, true);  // persistent: no secondary copy
+  EXPECT_EQ(rt.secondaryBytes(), 0);
+  rt.setPersistent(2, false);
+  EXPECT_EQ(rt.secondaryBytes(), 4 * 4);
+}

@@ -24,6 +24,9 @@ struct ExecutorContext {
   DSParamRegistry& registry;
   Lanes& lanes;
   Communicator& comm;
+  // hpZ's node-local communicator (gathers of parameters whose secondary copy is current); null
+  // without hpZ.
+  Communicator* secondary_comm;
   GradReducer& reducer;
   // Whether the backward in progress ends an accumulation window; the runtime sets it when a
   // backward starts, and ZeRO-1 reduces only then.

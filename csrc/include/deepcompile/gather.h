@@ -14,10 +14,19 @@ namespace deepcompile {
 class Communicator;
 class Lanes;
 
-// Starts gathering `params` (in `dtypes`) as one group on the all-gather lane and marks them
-// valid; used by allgather_param, prefetch and set_persistent.
+// Starts gathering `params` (in `dtypes`) on the all-gather lane and marks them valid; used by
+// allgather_param, prefetch and set_persistent. Parameters whose hpZ secondary copy is current
+// are gathered from it over `secondary` (one group), the others from their shards over `comm`
+// (another group); `secondary` null: no hpZ, every parameter goes over `comm`.
 void launchGathers(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
-                   const std::vector<at::ScalarType>& dtypes);
+                   const std::vector<at::ScalarType>& dtypes, Communicator* secondary = nullptr);
+// hpZ: allocates `param`'s secondary copy (padded_numel / secondary.size() elements in the gather
+// dtype) when it has none, or drops it (`keep` false: a persistent parameter never needs it).
+void provideSecondary(Lanes& lanes, Communicator& secondary, Z3Layout& param, bool keep);
+// hpZ: before a use releases `param`'s gathered buffer, copies this rank's chunk of it (within
+// the secondary group) into the secondary copy, which later gathers then read until the next
+// invalidation. Only a buffer in the gather dtype holding the current value is kept.
+void keepSecondary(Lanes& lanes, Communicator& secondary, Z3Layout& param);
 // Gathers `param` into a fresh, unregistered flat padded buffer (the caller owns it) and orders
 // the compute stream after the gather.
 at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& param, at::ScalarType dtype);

@@ -66,6 +66,15 @@ struct Z3Layout {
   bool valid = false;
   CompletionPtr gather_done;
 
+  // hpZ (ZeRO++'s secondary partition; runtime.h): this rank's chunk of the gathered parameter
+  // within its secondary group, `padded_numel / secondary size` elements in the gather dtype.
+  // Allocated at registration for a parameter that is not persistent (so every planner sees it as
+  // resident memory), refilled from the gathered buffer when a use releases it, and marked stale
+  // by every invalidation (the shards changed). While `secondary_valid`, gathers read it over
+  // the secondary communicator instead of the shard over the whole group.
+  at::Tensor secondary;
+  bool secondary_valid = false;
+
   bool isGathered() const { return valid && gathered.defined(); }
 };
 

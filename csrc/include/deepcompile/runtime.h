@@ -33,8 +33,13 @@ class Runtime {
   // rank and size are the ones parameters are partitioned by. `replica_comm` (hybrid sharding
   // only; null otherwise) spans the ranks holding the same shard in the other shard groups: each
   // reduced gradient partition is averaged over it (docs/design/hybrid_sharding.md).
+  // `secondary_comm` (hpZ only; null otherwise) spans this rank's node-local secondary group:
+  // every ZeRO-3 parameter that is not persistent keeps a secondary copy sharded over it, filled
+  // from a gathered buffer when a use releases it, and gathers read that copy over this
+  // communicator until the shards change (docs/design/hpz.md).
   Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> comm, RuntimeConfig config,
-          std::unique_ptr<Communicator> replica_comm = nullptr);
+          std::unique_ptr<Communicator> replica_comm = nullptr,
+          std::unique_ptr<Communicator> secondary_comm = nullptr);
   ~Runtime();
   // Executors and the reducer hold references into the runtime.
   Runtime(const Runtime&) = delete;
@@ -42,6 +47,9 @@ class Runtime {
 
   Communicator& comm() { return *comm_; }
   Communicator* replicaComm() { return replica_comm_.get(); }
+  Communicator* secondaryComm() { return secondary_comm_.get(); }
+  // hpZ: device bytes held by secondary copies (0 without hpZ).
+  int64_t secondaryBytes();
   Lanes& lanes() { return *lanes_; }
   DSParamRegistry& registry() { return registry_; }
   GradReducer& reducer() { return *reducer_; }
@@ -82,7 +90,8 @@ class Runtime {
   // undefined tensor): gathers read the device shard again.
   void setHostShard(DsId id, const std::optional<at::Tensor>& host);
   // Profiling helpers: forget a gathered buffer without freeing its storage (ZeRO-3 only;
-  // clearAllGathered skips ZeRO-1/2 parameters, invalidateGathered rejects them).
+  // clearAllGathered skips ZeRO-1/2 parameters, invalidateGathered rejects them). Both also mark
+  // the hpZ secondary copies stale: the next gather reads the shards.
   void invalidateGathered(DsId id);
   void clearAllGathered();
   // After an optimizer step: every gathered copy is stale (ZeRO-3 parameters; others have none).
@@ -109,6 +118,7 @@ class Runtime {
   std::unique_ptr<Lanes> lanes_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> replica_comm_;
+  std::unique_ptr<Communicator> secondary_comm_;
   RuntimeConfig config_;
   DSParamRegistry registry_;
   bool update_step_ = false;
