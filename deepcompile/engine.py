@@ -34,6 +34,7 @@ from deepcompile.zero.materialize import InitFn, training_device
 from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
+from deepcompile.zero.links import LinkReport
 from deepcompile.zero.topology import ShardTopology, topology_for
 
 
@@ -81,7 +82,8 @@ class Engine:
         self.module = model
         self.group = dist.group.WORLD
         # Hybrid sharding (zero/topology.py): the groups parameters are partitioned over.
-        self.topology = topology_for(config.zero_optimization.mics_shard_size, shard_group_size)
+        self.topology = topology_for(config.zero_optimization.mics_shard_size, shard_group_size,
+                                     config.zero_optimization.zero_hpz_partition_size)
         # Where parameters are materialised and trained (zero/materialize.py: training_device).
         self.device = training_device(model, device, self.group)
         if self.device.type == "cuda":
@@ -97,7 +99,8 @@ class Engine:
         optimizer = optim_builder.configure_optimizer(model, optimizer, config, model_parameters)
 
         runtime.init(self.topology.shard_group, runtime.RuntimeConfig(**config.runtime_config()),
-                     device=self.device.type, replica_group=self.topology.replica_group)
+                     device=self.device.type, replica_group=self.topology.replica_group,
+                     secondary_group=self.topology.secondary_group)
         # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
         # holds its shards plus one module's parameters at a time) and partitions it.
         self.sharding: Sharding = _make_sharding(model, optimizer, config, self.precision, self.topology,
@@ -141,7 +144,8 @@ class Engine:
             device=self.device, group=self.group, budget=self.memory_budget,
             loss_scaling=self.precision.loss_scaling is not None)
         self._at = hooks_at(self.parts)
-        self.scheduler.report.contributors = list(self.parts)  # each adds its section, if it has one
+        # Each adds its section, if it has one; the links section names each collective's communicator.
+        self.scheduler.report.contributors = list(self.parts) + [LinkReport(self.topology, self.stage)]
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations)

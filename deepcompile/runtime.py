@@ -70,6 +70,9 @@ __all__ = [
     "world_size",
     "rank",
     "comm_bytes",
+    "secondary_size",
+    "secondary_bytes",
+    "secondary_valid",
 ]
 
 STAGES = (1, 2, 3)
@@ -118,12 +121,17 @@ def init(
     config: Optional[RuntimeConfig] = None,
     device: Optional[str] = None,
     replica_group: Optional[dist.ProcessGroup] = None,
+    secondary_group: Optional[dist.ProcessGroup] = None,
 ) -> None:
     """Create (or re-create) the runtime over ``process_group`` (default: the world group).
 
     ``replica_group`` (hybrid sharding only): the ranks that hold this rank's shards in the other
     shard groups, ``process_group`` being this rank's shard group; every reduced gradient
     partition is then averaged over it. None: no replicas, nothing extra is communicated.
+
+    ``secondary_group`` (hpZ only): this rank's node-local group; ZeRO-3 parameters that are not
+    persistent keep a secondary copy sharded over it, and gathers read that copy over it until the
+    shards change (docs/design/hpz.md). None: no secondary copies.
 
     ``device='cuda'`` builds a private NCCL communicator whose unique id is broadcast through the
     group, and runs communication on dedicated CUDA streams. ``device='cpu'`` communicates through
@@ -149,6 +157,7 @@ def init(
             bool(config.sync_after_allgather),
         ],
         replica_group,
+        secondary_group,
     )
 
 
@@ -203,6 +212,16 @@ def rank() -> int:
     return _C.rank()
 
 
+def secondary_size() -> int:
+    """hpZ: the ranks of this rank's secondary group (0 without hpZ)."""
+    return int(_C.secondary_size())
+
+
+def secondary_bytes() -> int:
+    """hpZ: device bytes held by the secondary copies (0 without hpZ)."""
+    return int(_C.secondary_bytes())
+
+
 # Bytes each rank sends per payload byte under ring algorithms, for a communicator of n ranks: an
 # all-gather, reduce-scatter or reduce passes n - 1 of its n chunks on; an all-reduce is a
 # reduce-scatter followed by an all-gather.
@@ -212,7 +231,8 @@ _WIRE_PER_PAYLOAD = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lamb
 
 def comm_bytes(reset: bool = False) -> Dict[str, Dict[str, int]]:
     """Bytes of the runtime's collectives since the last reset, per communicator: ``"shard"``
-    (the world without hybrid sharding) and, under hybrid sharding, ``"replica"``. Each holds
+    (the world without hybrid sharding), under hybrid sharding ``"replica"``, and under hpZ
+    ``"secondary"`` (gathers that read the node-local secondary copies). Each holds
     ``ranks`` (the communicator's size), the payload bytes per collective kind (``all_gather``:
     the gathered output; ``reduce_scatter``: the input; ``reduce``/``all_reduce``: the buffer;
     in the dtype communicated) and ``wire``: the bytes this rank sends over that link under ring
@@ -375,6 +395,12 @@ def is_gathered(ds_id: int) -> bool:
 
 def is_persistent(ds_id: int) -> bool:
     return _C.is_persistent(int(ds_id))
+
+
+def secondary_valid(ds_id: int) -> bool:
+    """hpZ: whether the parameter's secondary copy holds its current value (its next gather then
+    stays inside the secondary group)."""
+    return bool(_C.secondary_valid(int(ds_id)))
 
 
 def gathered_buffer(ds_id: int) -> Optional[torch.Tensor]:

@@ -57,9 +57,6 @@ FIXED_VALUE: Dict[str, Tuple[Any, str]] = {
     "zero_optimization.zero_quantized_gradients": (
         False, "ZeRO++ quantized gradient reduction is not implemented; gradients are reduced in "
                "communication_data_type"),
-    "zero_optimization.zero_hpz_partition_size": (
-        1, "ZeRO++ hierarchical partitioning (a secondary, node-local copy of the shards) is not implemented; "
-           "parameters are gathered from the whole group"),
     "bf16.bf16_master_weights_and_grads": (False, _FP32_MASTERS),
     "fp16.fp16_master_weights_and_grads": (False, _FP32_MASTERS),
     "fp16.auto_cast": (False, "fp16 auto-casting of the forward's inputs is not implemented; the parameters are "

@@ -151,6 +151,31 @@ def _shard_size_divides_world(c, facts) -> Optional[str]:
             "every shard group must have the same number of ranks")
 
 
+def _hpz_stage(c, facts) -> Optional[str]:
+    if c.zero_optimization.zero_hpz_partition_size > 1 and c.zero_optimization.stage != 3:
+        return (f"zero_optimization.zero_hpz_partition_size is {c.zero_optimization.zero_hpz_partition_size} with "
+                f"ZeRO-{c.zero_optimization.stage}: hpZ keeps a secondary copy of partitioned parameters, and only "
+                "ZeRO-3 partitions them (ZeRO-1/2 parameters are whole on every rank). Leave it 1")
+    return None
+
+
+def _hpz_with_hybrid(c, facts) -> Optional[str]:
+    hpz, shard = c.zero_optimization.zero_hpz_partition_size, c.zero_optimization.mics_shard_size
+    if hpz == 1 or shard == -1 or shard == facts.world_size:
+        return None
+    return (f"zero_optimization.zero_hpz_partition_size ({hpz}) together with mics_shard_size ({shard}) is not "
+            "supported: hybrid sharding already keeps every gather inside its shard group, so a secondary copy "
+            "would only cost memory. Choose one of them")
+
+
+def _hpz_divides_world(c, facts) -> Optional[str]:
+    size = c.zero_optimization.zero_hpz_partition_size
+    if size == 1 or facts.world_size is None or facts.world_size % size == 0:
+        return None
+    return (f"zero_optimization.zero_hpz_partition_size is {size}, which does not divide the world size "
+            f"{facts.world_size}: every secondary group must have the same number of ranks")
+
+
 REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.offload_param", "parse",
          _param_offload_stage("zero_optimization.offload_param", lambda c: c.zero_optimization.offload_param)),
@@ -168,6 +193,9 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule("communication_data_type", "resolve", _bf16_reduce_accumulates),
     Rule("communication_data_type", "resolve", _z12_reduce_dtype),
     Rule("zero_optimization.mics_shard_size", "resolve", _shard_size_divides_world),
+    Rule("zero_optimization.zero_hpz_partition_size", "parse", _hpz_stage),
+    Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_with_hybrid),
+    Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_divides_world),
 )
 
 

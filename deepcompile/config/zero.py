@@ -31,6 +31,14 @@ def _shard_size(value: Any, dotted: str) -> int:
     return value
 
 
+def _hpz_size(value: Any, dotted: str) -> int:
+    """1 (DeepSpeed's default): no secondary partition; otherwise a positive number of consecutive
+    ranks (that it divides the world size is checked when the world is known, config/rules.py)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{dotted} must be a positive number of ranks (1: off), got {show(value)}")
+    return value
+
+
 def _sub_group_size(value: Any, dotted: str) -> Optional[int]:
     """DeepSpeed accepts 0, which closes a sub-group after every parameter: 1 does the same here."""
     if value is None:
@@ -191,7 +199,14 @@ class ZeroConfig(Section):
     zero_quantized_weights: bool = fixed_key("zero_optimization.zero_quantized_weights")
     zero_quantized_nontrainable_weights: bool = fixed_key("zero_optimization.zero_quantized_nontrainable_weights")
     zero_quantized_gradients: bool = fixed_key("zero_optimization.zero_quantized_gradients")
-    zero_hpz_partition_size: int = fixed_key("zero_optimization.zero_hpz_partition_size")
+    zero_hpz_partition_size: int = key(
+        _hpz_size, 1,
+        "ZeRO++ hpZ: besides the primary shards over the whole world, every ZeRO-3 parameter that is not persistent "
+        "keeps a secondary copy in its gather dtype sharded over groups of this many consecutive ranks (a node); "
+        "the first gather after each optimizer step reads the primary shards over the world and leaves the "
+        "secondary copy behind, every later gather until the next step (the backward's, further micro-steps') reads "
+        "it within the group (docs/design/hpz.md). Must divide the world size; 1 (default): off. ZeRO-3 only, "
+        "not together with hybrid sharding (mics_shard_size).")
     mics_shard_size: int = key(
         _shard_size, -1,
         "Hybrid sharding (DeepSpeed's MiCS, FSDP's HSDP): parameters, gradients and optimizer state are "

@@ -109,6 +109,18 @@ def _joint_lines(j: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _link_lines(links: Dict[str, Any]) -> List[str]:
+    """Which communicator carries what (zero/links.py); nothing to say for one plain link."""
+    if set(links) <= {"shard"}:
+        return []
+    lines = []
+    for name, link in links.items():
+        extra = (f"; secondary copies hold {_mib(link['secondary_copy_bytes'])}"
+                 if "secondary_copy_bytes" in link else "")
+        lines.append(f"link {name} ({link['ranks']} ranks): {', '.join(link['carries'])}{extra}")
+    return lines
+
+
 def _live_parameters(persistent_plan, prefetch_plans: Dict[Tuple, Any]) -> Dict[str, Any]:
     """The planned parameter elements held beyond the op in flight, and DeepSpeed's limits."""
     plans = list(prefetch_plans.values())
@@ -253,13 +265,15 @@ def format_schedule_report(r: Dict[str, Any], verify_plan: bool = True) -> str:
         offload += _activation_lines(r["activations"])
     if "offload_plan" in r:
         offload += _joint_lines(r["offload_plan"])
+    offload += _link_lines(r.get("links", {}))
     if "step" not in r:
         return "\n".join(["deepcompile schedule: no switch yet"] + offload)
     lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]
     for g in r["graphs"]:
         lines.append(
             f"  graph {g['graph_id']} {g['graph']}: profiled {g['profiled_time_ms']:.2f} ms, "
-            f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
+            + (f"gathers over {g['gather_link']}, " if g.get("gather_link", "shard") != "shard" else "")
+            + f"peak {_mib(g['profiled_peak_bytes'])}; predicted peak {_mib(g['predicted_peak_bytes'])}, "
             + (f"measured {_mib(g['measured_peak_bytes'])}" if g["measured_peak_bytes"] is not None
                else "measured n/a" if verify_plan
                else "not measured (compile.verify_plan off)")

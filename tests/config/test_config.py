@@ -595,7 +595,6 @@ ONLY_VALUE = [
     ("zero_optimization", "zero_quantized_weights", False, True, "ZeRO++"),
     ("zero_optimization", "zero_quantized_nontrainable_weights", False, True, "ZeRO++"),
     ("zero_optimization", "zero_quantized_gradients", False, True, "ZeRO++"),
-    ("zero_optimization", "zero_hpz_partition_size", 1, 8, "whole group"),
     ("fp16", "auto_cast", False, True, "auto-casting"),
     ("compile", "deepcompile", True, False, "do not call engine.compile()"),
     ("compile", "keep_int_input_tensors", True, False, "real inputs"),

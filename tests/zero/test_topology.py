@@ -55,7 +55,21 @@ def test_hierarchical_gather_is_refused_with_the_reason():
 
 
 def test_hpz_together_with_hybrid_sharding_is_refused():
-    # ZeRO++'s secondary partition is not implemented (issue 30 item 2): refused with or without
-    # hybrid sharding, never silently ignored.
-    with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
-        _config(mics_shard_size=2, zero_hpz_partition_size=2)
+    # Hybrid sharding keeps every gather inside its shard group already: a secondary copy would only
+    # cost memory. Checked once the world is known (a shard size equal to the world is plain ZeRO).
+    config = _config(mics_shard_size=2, zero_hpz_partition_size=2)
+    with pytest.raises(ConfigError, match=r"zero_hpz_partition_size \(2\) together with mics_shard_size \(2\)"):
+        config.resolve(4)
+    assert config.resolve(2).zero_optimization.zero_hpz_partition_size == 2
+
+
+def test_hpz_is_read_checked_against_the_world_and_zero3_only():
+    assert _config().zero_optimization.zero_hpz_partition_size == 1  # DeepSpeed's default: off
+    assert _config(zero_hpz_partition_size=2).resolve(4).zero_optimization.zero_hpz_partition_size == 2
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size is 3, which does not divide the world size 4"):
+        _config(zero_hpz_partition_size=3).resolve(4)
+    with pytest.raises(ConfigError, match="only ZeRO-3 partitions them"):
+        Config.from_dict({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    for value in (0, -1, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="zero_hpz_partition_size must be a positive number of ranks"):
+            _config(zero_hpz_partition_size=value)
