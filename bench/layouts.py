@@ -178,7 +178,10 @@ def comm_cell(comm_bytes: Optional[Dict[str, Dict[str, int]]]) -> str:
     algorithms (``wire``), "-" for a link the row does not have; "n/a" without counts."""
     if not comm_bytes:
         return "n/a"
-    return " / ".join(_gb(comm_bytes[link]["wire"]) if link in comm_bytes else "-" for link in LINKS)
+    cells = [_gb(comm_bytes[link]["wire"]) if link in comm_bytes else "-" for link in LINKS]
+    # A link of another name (a later engine's) is shown with its name rather than dropped.
+    cells += [f"{link} {_gb(counted['wire'])}" for link, counted in comm_bytes.items() if link not in LINKS]
+    return " / ".join(cells)
 
 
 def _gb(nbytes: float) -> str:

@@ -167,6 +167,7 @@ def test_bytes_per_link_column_shows_each_link_in_gb_per_step(tmp_path):
     column = [[c.strip() for c in line.strip("|").split("|")][head.index(layouts.COMM_COLUMN)] for line in table[2:]]
     assert column == ["2.50 / - / -", "0.00 / 1.50 / -", "1.00 / - / 0.25", "error", "n/a"]
     assert layouts.comm_cell({"shard": {"wire": 396_000}}) == "0.000396 / - / -"  # tiny models: 3 digits
+    assert layouts.comm_cell({"shard": {"wire": 0}, "node": {"wire": 2e9}}) == "0.00 / - / - / node 2.00"
     # No row with counts (peers only, or an older JSON): the table keeps its columns.
     assert tb.columns([Row(tb.FSDP2_NAME, step_ms=1.0)]) == tb.COLUMNS
     # The JSON keeps the layout and the full counts; --merge reads them back.
