@@ -256,8 +256,9 @@ class Ranks:
         try:
             for r in range(world):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "_harness.fault_worker", *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+                    [sys.executable, "-m", "_harness.fault_worker", *args],
+                    env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, start_new_session=True))
         except BaseException:
             self.kill()
             raise
@@ -284,12 +285,11 @@ class Ranks:
     def kill(self):
         """SIGKILL every rank still running, and whatever it started."""
         for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the group outlives a rank that ended before its children
-            except (ProcessLookupError, PermissionError):
-                pass
-            if p.poll() is None:
-                p.kill()
+            if p.returncode is None:  # not reaped yet: its pid, and so its group's id, are still its own
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def code(self, r):
         return self.procs[r].returncode
@@ -372,7 +372,8 @@ def test_a_rank_whose_main_thread_waits_in_native_code_still_exits_naming_the_fa
     timeout_s = 2.0
     code, err, took = _blocked_rank(tmp_path, "released", timeout_s)
     assert code == EXIT, err
-    assert "rank 1 died during backward of step 2" in err and "Rank 0 (in step of step 2) exits with code 75" in err, err
+    assert "rank 1 died during backward of step 2" in err, err
+    assert f"Rank 0 (in step of step 2) exits with code {EXIT}" in err, err
     assert took < timeout_s + SLACK_S, err  # found by its pid, well within the timeout
     code, err, took = _blocked_rank(tmp_path, "held", timeout_s)
     assert code == EXIT, f"a main thread holding the GIL kept the rank waiting (exit {code}):\n{err}"
