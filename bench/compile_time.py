@@ -254,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               train_bench.count_params(args))
     results = []
     for key in args.methods:
-        method = train_bench.METHODS[key]
+        method = train_bench.method_of(key, args)  # a deepcompile row may carry a layout (bench/layouts.py)
         from torch._inductor.utils import fresh_cache
 
         with fresh_cache():  # one cache directory per method: cold, then warm on what cold left

@@ -117,8 +117,9 @@ def child_command(argv: Sequence[str], key: str, nproc: int, out: str) -> List[s
             "--methods", key, "--no-isolate", "--no-pcie", "--child-json", out]
 
 
-def run_row(argv: Sequence[str], key: str, nproc: int, timeout: Optional[float]):
-    """One row in its own process: (train_bench.Row, the child's header or None)."""
+def run_row(argv: Sequence[str], key: str, nproc: int, timeout: Optional[float], name: Optional[str] = None):
+    """One row in its own process: (train_bench.Row, the child's header or None). ``name``: the
+    row's label should the process give no row (default: the method's)."""
     import train_bench as tb
 
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
@@ -130,7 +131,7 @@ def run_row(argv: Sequence[str], key: str, nproc: int, timeout: Optional[float])
                 data = json.load(f)
             return tb.Row(**data["rows"][0]), data["env"]
     status, note = failure(code, tail, timeout)
-    return tb.Row(tb.METHODS[key].name, status=status, note=note), None
+    return tb.Row(name or tb.METHODS[key].name, status=status, note=note), None
 
 
 def measure_pcie(args) -> Optional[Dict[str, float]]:
@@ -172,8 +173,10 @@ def run_isolated(args, argv: List[str]) -> int:
         return env
 
     for key in args.methods:
-        print(f"== {tb.METHODS[key].name} (own process)", flush=True)
-        row, env = run_row(argv, key, args.nproc, args.row_timeout)
+        method = tb.method_of(key, args)  # a deepcompile row's layout is in its label (bench/layouts.py)
+        print(f"== {method.name} (own process)", flush=True)
+        row, env = run_row(argv, key, args.nproc, args.row_timeout, name=method.name)
+        row.layout = row.layout or method.layout
         child_env = child_env or env
         rows.append(row)
         print(f"  -> {row.status}" + (f": {row.note}" if row.note else ""), flush=True)

@@ -60,6 +60,12 @@ The rows and how each one keeps its weights:
   is ``z3-prefetch`` with ``engine.compile(regional=True)``: each decoder layer compiled on its own,
   identical layers sharing one compiled graph (the embedding and head run eagerly).
   ``--memory-budget-gib`` sets ``compile.memory_budget_bytes`` (default: 90 % of the device).
+* Layouts (issue 30, ``bench/layouts.py``): ``--shard-group-size`` (hybrid sharding,
+  ``mics_shard_size``) and ``--hpz-partition-size`` (hpZ, ZeRO-3 only) apply to every deepcompile
+  row, ``--layouts plain,2x1,hpz2`` gives each deepcompile method one row per layout,
+  ``--methods z3@2x1`` one row its own; such a row carries its layout in its label. Peer rows never
+  change. Every deepcompile row reports the bytes per link of its last measured step
+  (``engine.step_report.comm_bytes``): the column "GB/step shard/replica/secondary".
 
 Columns (all per rank; time and memory are the maximum over ranks, the loss their mean):
 
@@ -118,6 +124,7 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s own modules
 
 import deepspeed_peer  # noqa: E402  (DeepSpeed's rows; imports DeepSpeed only when one is built)
+import layouts  # noqa: E402
 import peer_rows  # noqa: E402
 from dist_setup import setup  # noqa: E402
 
@@ -182,6 +189,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="deepcompile ZeRO-3 compile.optimizer_step_in_backward: parameters step during the backward "
                         "as their gradients become final, freeing their gradient partitions (per-layer graphs: "
                         "regional compilation)")
+    p.add_argument("--shard-group-size", type=int, default=-1, metavar="S",
+                   help="deepcompile rows only: hybrid sharding, zero_optimization.mics_shard_size S (shard groups "
+                        "of S consecutive ranks, replicated across groups; must divide the world size); -1 "
+                        "(default): plain ZeRO over the world. Peer rows (FSDP2, DDP, DeepSpeed) are unchanged")
+    p.add_argument("--hpz-partition-size", type=int, default=1, metavar="H",
+                   help="deepcompile ZeRO-3 rows only: ZeRO++ hpZ, zero_optimization.zero_hpz_partition_size H "
+                        "(a secondary copy of the parameter shards over H ranks); 1 (default): off. Refused with "
+                        "ZeRO-1/2 rows; peer rows are unchanged")
+    p.add_argument("--layouts", type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None,
+                   metavar="L1,L2,...",
+                   help="deepcompile rows only: one row per layout for each deepcompile method, labelled with it: "
+                        "plain, RxS (R replicas x shard groups of S ranks, R*S = world size; e.g. 2x1), hpzH (e.g. "
+                        "hpz2, ZeRO-3 only) or RxS+hpzH. One row's layout: --methods z3@2x1 (bench/layouts.py)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--same-batch", action="store_true",
                    help="every step trains on the first step's tokens, so the loss must fall (smoke runs: a check "
@@ -248,23 +268,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # 'all' leaves out DeepSpeed's rows: they need DeepSpeed installed and --isolate (deepspeed_peer.py).
     keys = ([k for k in METHODS if k not in deepspeed_peer.ROWS] if args.methods.strip() == "all"
             else [m.strip() for m in args.methods.split(",") if m.strip()])
-    unknown = [k for k in keys if k not in METHODS]
+    unknown = [k for k in keys if layouts.split_key(k)[0] not in METHODS]
     if unknown or not keys:
-        p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)} (a deepcompile row may add "
+                f"{layouts.SEPARATOR}LAYOUT)")
+    keys = layouts.expand(keys, args.layouts, [k for k, m in METHODS.items() if m.stage is not None])
+    layouts.check(p, args, keys, {k: m.stage for k, m in METHODS.items()})
+    bases = [layouts.split_key(k)[0] for k in keys]
     profiled = {"z3-prefetch", "z3-auto", "z3-prefetch-regional"} | (set(OFFLOAD_KEYS) if args.offload_passes != "none" else set())
-    if args.warmup < 3 and profiled & set(keys):
-        p.error(f"--warmup must be >= 3 with {', '.join(sorted(profiled & set(keys)))} "
+    if args.warmup < 3 and profiled & set(bases):
+        p.error(f"--warmup must be >= 3 with {', '.join(sorted(profiled & set(bases)))} "
                 "(profile at step 0, re-plan at step 1)")
     if args.nproc < 1:
         p.error("--nproc must be >= 1")
     if args.peer_repeats < 1:
         p.error("--peer-repeats must be >= 1")
-    deepspeed_peer.check_options(p, args, keys)
+    deepspeed_peer.check_options(p, args, bases)
     if not 0.0 < args.memory_budget_fraction <= 1.0:
         p.error("--memory-budget-fraction must be in (0, 1]")
     args.methods = keys
     if args.pcie is None:  # the bus only matters to the rows that use it; other tables stay as they were
-        args.pcie = bool(set(keys) & set(OFFLOAD_KEYS))
+        args.pcie = bool(set(bases) & set(OFFLOAD_KEYS))
     args.reduce_bucket_size = int(args.reduce_bucket_size)
     args.persistence_threshold = int(args.persistence_threshold)
     return args
@@ -396,6 +420,8 @@ class Runner:
     # True once the step just run was a step of the method's final plan, run compiled (not
     # profiled): the profile-guided ZeRO-3 rows profile, re-plan and recompile first.
     scheduled: Callable[[], bool] = lambda: True
+    # The bytes per link of the step just run (deepcompile: engine.step_report.comm_bytes), or None.
+    comm_bytes: Callable[[], Optional[Dict[str, Dict[str, int]]]] = lambda: None
 
 
 OFFLOAD_PASSES = {"none": (), "prefetch": ("prefetch",), "auto": ("prefetch", "selective_gather")}
@@ -423,39 +449,50 @@ def offload_config(args: argparse.Namespace, offload: str, budget_bytes: Optiona
     return {"zero_optimization": zero, "compile": comp}
 
 
-def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
-                       budget_bytes: Optional[int] = None, regional: bool = False) -> Runner:
-    import deepcompile  # here: a DeepSpeed row's process must not load its `dc` op library (deepspeed_peer.py)
-
-    meta = ctx.args.init == "meta"
-    # deepcompile trains the bf16 model (fp32 masters in the engine): built on the device in bf16,
-    # or on meta and materialised by initialize() one module at a time.
-    model = build_meta_model(ctx, torch.bfloat16) if meta else build_model(ctx, torch.bfloat16)
-    optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
+def deepcompile_config(args: argparse.Namespace, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
+                       budget_bytes: Optional[int] = None) -> dict:
+    """A deepcompile row's config from the options (a pure function: tests read it without an engine)."""
     config = {
         "zero_optimization": {
             "stage": stage,
-            "reduce_bucket_size": ctx.args.reduce_bucket_size,
-            "stage3_param_persistence_threshold": ctx.args.persistence_threshold,
+            "reduce_bucket_size": args.reduce_bucket_size,
+            "stage3_param_persistence_threshold": args.persistence_threshold,
         },
         "bf16": {"enabled": True},
-        "train_micro_batch_size_per_gpu": ctx.args.micro_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
         "compile": {
             "prefetch": "prefetch" in passes,
             "selective_gather": "selective_gather" in passes,
             "warmup_steps": 1,  # profile step 0, plan after it
         },
     }
-    if ctx.args.memory_budget_gib is not None:
-        config["compile"]["memory_budget_bytes"] = int(ctx.args.memory_budget_gib * 2**30)
-    if ctx.args.sub_group_size is not None and stage == 3:
-        config["zero_optimization"]["sub_group_size"] = int(ctx.args.sub_group_size)
-    if ctx.args.communication_data_type is not None:
-        config["communication_data_type"] = ctx.args.communication_data_type
-    if ctx.args.optimizer_step_in_backward and stage == 3:
+    if args.memory_budget_gib is not None:
+        config["compile"]["memory_budget_bytes"] = int(args.memory_budget_gib * 2**30)
+    if args.sub_group_size is not None and stage == 3:
+        config["zero_optimization"]["sub_group_size"] = int(args.sub_group_size)
+    if args.communication_data_type is not None:
+        config["communication_data_type"] = args.communication_data_type
+    if args.optimizer_step_in_backward and stage == 3:
         config["compile"]["optimizer_step_in_backward"] = True
-    for section, values in offload_config(ctx.args, offload, budget_bytes).items():
+    layout = layouts.from_options(args)  # hybrid sharding / hpZ; passed through, validated by the config
+    if layout.hpz_partition_size != 1 and stage != 3:  # parse_args refuses this first; other callers too
+        raise ValueError(f"hpZ (zero_hpz_partition_size {layout.hpz_partition_size}) is ZeRO-3 only, not ZeRO-{stage}")
+    config["zero_optimization"].update(layout.zero_keys())
+    for section, values in offload_config(args, offload, budget_bytes).items():
         config[section].update(values)
+    return config
+
+
+def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), offload: str = "none",
+                       budget_bytes: Optional[int] = None, regional: bool = False) -> Runner:
+    import deepcompile  # here: a DeepSpeed row's process must not load its `dc` op library (deepspeed_peer.py)
+
+    config = deepcompile_config(ctx.args, stage, passes, offload, budget_bytes)
+    meta = ctx.args.init == "meta"
+    # deepcompile trains the bf16 model (fp32 masters in the engine): built on the device in bf16,
+    # or on meta and materialised by initialize() one module at a time.
+    model = build_meta_model(ctx, torch.bfloat16) if meta else build_model(ctx, torch.bfloat16)
+    optimizer = make_optimizer(ctx, model.parameters())  # re-targeted at the fp32 master shards
     init = dict(init_fn=model._init_weights, device=ctx.device) if meta else {}
     if meta:
         torch.manual_seed(ctx.args.seed)  # init_fn runs from rank 0's generator state
@@ -499,7 +536,11 @@ def deepcompile_runner(ctx: Context, stage: int, passes: Tuple[str, ...] = (), o
                 notes.append(f"between steps {torch.cuda.memory_allocated(ctx.device) / GIB:.2f} GiB")
         return "; ".join(notes)
 
-    return Runner(step, close=engine.destroy, note=note, scheduled=lambda: last["scheduled"])
+    def comm_bytes() -> Optional[Dict[str, Dict[str, int]]]:
+        counted = engine.step_report.comm_bytes  # replaced (not updated) at every optimizer step
+        return {link: dict(kinds) for link, kinds in counted.items()} if counted else None
+
+    return Runner(step, close=engine.destroy, note=note, scheduled=lambda: last["scheduled"], comm_bytes=comm_bytes)
 
 
 def offload_note(r: Dict[str, object]) -> str:
@@ -574,27 +615,35 @@ class Method:
     name: str  # the row label
     build: Callable[[Context], Runner]
     key: str = ""  # the --methods key (filled in below)
+    stage: Optional[int] = None  # deepcompile rows: the ZeRO stage (they take a layout); peers: None
+    layout: Optional[str] = None  # the row's layout label (bench/layouts.py), where it has one
 
 
 # The rows; the keys are what --methods takes (the table follows the order given there; 'all' is this order).
 METHODS: Dict[str, Method] = {
-    "z3": Method("deepcompile ZeRO-3", lambda ctx: deepcompile_runner(ctx, stage=3)),
+    "z3": Method("deepcompile ZeRO-3", lambda ctx: deepcompile_runner(ctx, stage=3), stage=3),
     "z3-prefetch": Method("deepcompile ZeRO-3 + prefetch",
-                          lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",))),
+                          lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",)), stage=3),
     "z3-auto": Method("deepcompile ZeRO-3 + prefetch + selective",
-                      lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch", "selective_gather"))),
+                      lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch", "selective_gather")),
+                      stage=3),
     "z3-prefetch-regional": Method("deepcompile ZeRO-3 + prefetch, per layer",
-                                   lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",), regional=True)),
-    "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1)),
-    "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2)),
+                                   lambda ctx: deepcompile_runner(ctx, stage=3, passes=("prefetch",), regional=True),
+                                   stage=3),
+    "z1": Method("deepcompile ZeRO-1", lambda ctx: deepcompile_runner(ctx, stage=1), stage=1),
+    "z2": Method("deepcompile ZeRO-2", lambda ctx: deepcompile_runner(ctx, stage=2), stage=2),
     "fsdp2": Method(FSDP2_NAME, fsdp2_runner),
     "fsdp2-offload": Method(FSDP2_OFFLOAD_NAME, lambda ctx: fsdp2_runner(ctx, cpu_offload=True)),
     "z3-offload": Method("deepcompile ZeRO-3 + offload_optimizer",
-                         lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "optimizer")),
+                         lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "optimizer"),
+                         stage=3),
     "z3-offload-budget": Method("deepcompile ZeRO-3 + offload_opt_states, budget",
-                                lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "budget")),
+                                lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes],
+                                                               "budget"),
+                                stage=3),
     "z3-offload-all": Method("deepcompile ZeRO-3 + all offload kinds, budget",
-                             lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "all")),
+                             lambda ctx: deepcompile_runner(ctx, 3, OFFLOAD_PASSES[ctx.args.offload_passes], "all"),
+                             stage=3),
     "ddp": Method("DDP + compile", ddp_runner),
     **{key: Method(name, lambda ctx, key=key: deepspeed_peer.runner(ctx, key))
        for key, name in deepspeed_peer.ROWS.items()},
@@ -603,6 +652,25 @@ METHODS = {key: dataclasses.replace(m, key=key) for key, m in METHODS.items()}
 DEFAULT_METHODS = ["z3", "z3-prefetch", "z3-auto", "z1", "z2", "fsdp2", "ddp"]
 # --peer-repeats runs each of these that many times in one call (their step times vary from run to run).
 REPEATED_PEERS = ("fsdp2", *deepspeed_peer.ROWS)
+
+
+def method_of(key: str, args: argparse.Namespace) -> Method:
+    """The row of a ``--methods`` key: ``METHODS[key]``, or, for a deepcompile row with a layout
+    (its own, ``z3@2x1``, or the options' --shard-group-size/--hpz-partition-size), that method
+    built with the layout and labelled with it (bench/layouts.py)."""
+    base, token = layouts.split_key(key)
+    m = METHODS[base]
+    if m.stage is None or (token is None and layouts.from_options(args).is_plain):
+        return m  # a peer, or a deepcompile row as it always was
+    layout = layouts.row_layout(key, args)
+
+    def build(ctx: Context) -> Runner:
+        error = layout.world_error(ctx.world)
+        if error:
+            raise ValueError(error)
+        return m.build(dataclasses.replace(ctx, args=layouts.with_layout(ctx.args, layout)))
+
+    return dataclasses.replace(m, name=f"{m.name} [{layout.label()}]", build=build, key=key, layout=layout.label())
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -631,6 +699,10 @@ class Row:
     vs_fsdp2_offload: Optional[float] = None  # tokens/s over FSDP2 + CPU offload's, same run
     host_peak_gib: Optional[float] = None  # --isolate: the row process's peak resident memory
     repeat: Optional[int] = None  # --peer-repeats: which run of a repeated row (shown after its name)
+    layout: Optional[str] = None  # a deepcompile row's layout (bench/layouts.py; also in its label)
+    # rank 0's bytes per link of the last measured step (engine.step_report.comm_bytes): per link
+    # ("shard", "replica", "secondary") ranks, payload bytes per collective kind, and wire bytes
+    comm_bytes: Optional[Dict[str, Dict[str, int]]] = None
 
 
 @dataclasses.dataclass
@@ -647,6 +719,7 @@ class RankMeasurement:
     loss: float = math.nan
     losses: List[float] = dataclasses.field(default_factory=list)  # every step, warm-up included
     transfers: Optional[Dict[str, float]] = None
+    comm_bytes: Optional[Dict[str, Dict[str, int]]] = None  # the last measured step's, per link
 
 
 def sync(ctx: Context) -> None:
@@ -742,6 +815,7 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
         if not all(scheduled[ctx.args.warmup:]):
             raise RuntimeError("a measured step was not a compiled step of the final plan: raise --warmup")
         m.step_times = times[ctx.args.warmup:]
+        m.comm_bytes = runner.comm_bytes()  # the last measured step's, before any traced step
         if ctx.args.trace:
             from step_trace import trace_steps
 
@@ -784,7 +858,7 @@ def _measure(ctx: Context, method: Method) -> RankMeasurement:
 
 
 def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Row:
-    row = Row(method.name, note=per_rank[0].note)
+    row = Row(method.name, note=per_rank[0].note, layout=method.layout)
     bad = [(r, m) for r, m in enumerate(per_rank) if m.status != "ok"]
     if bad:
         rank, m = bad[0]
@@ -805,6 +879,7 @@ def combine(ctx: Context, method: Method, per_rank: List[RankMeasurement]) -> Ro
     row.loss = sum(m.loss for m in per_rank) / len(per_rank)
     row.losses = [sum(step) / len(step) for step in zip(*(m.losses for m in per_rank))]
     row.transfers = per_rank[0].transfers  # the trace is summarised on rank 0
+    row.comm_bytes = per_rank[0].comm_bytes  # the ranks of a layout send alike (padded shards)
     return row
 
 
@@ -876,16 +951,27 @@ def show_offload_columns(rows: List[Row]) -> bool:
     return any(r.transfers or r.vs_fsdp2_offload is not None or r.host_peak_gib is not None for r in rows)
 
 
+def show_comm_column(rows: List[Row]) -> bool:
+    return any(r.comm_bytes for r in rows)
+
+
 def columns(rows: List[Row]) -> List[str]:
-    return COLUMNS[:-2] + OFFLOAD_COLUMNS + COLUMNS[-2:] if show_offload_columns(rows) else list(COLUMNS)
+    """The table's head: the comm column where some row counted its bytes per link (deepcompile
+    rows), the offload columns where some row has offload data, both before "loss"."""
+    extra = ([layouts.COMM_COLUMN] if show_comm_column(rows) else []) + \
+        (OFFLOAD_COLUMNS if show_offload_columns(rows) else [])
+    return COLUMNS[:-2] + extra + COLUMNS[-2:]
 
 
-def cells(row: Row, offload_columns: bool = False, pcie: Optional[Dict[str, float]] = None) -> List[str]:
+def cells(row: Row, offload_columns: bool = False, pcie: Optional[Dict[str, float]] = None,
+          comm_column: bool = False) -> List[str]:
     num = lambda value, fmt: _num(row, value, fmt)
     label = row.method + (f" (run {row.repeat})" if row.repeat else "")
     out = [label, num(row.step_ms, ".1f"), num(row.tokens_per_s, ",.0f"), num(row.tflops, ".1f"),
            num(row.peak_gib, ".2f"), num(row.compile_s, ".1f"), num(row.scheduled_s, ".1f"),
            num(row.vs_fsdp2, ".2f"), num(row.warm_scheduled_s, ".1f")]
+    if comm_column:
+        out.append(layouts.comm_cell(row.comm_bytes) if row.status == "ok" else row.status)
     if offload_columns:
         t = row.transfers
         out += [num(row.vs_fsdp2_offload, ".2f"),
@@ -899,8 +985,8 @@ def cells(row: Row, offload_columns: bool = False, pcie: Optional[Dict[str, floa
 
 def text_table(rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> str:
     head = columns(rows)
-    wide = show_offload_columns(rows)
-    body = [head] + [cells(r, wide, pcie) for r in rows]
+    wide, comm = show_offload_columns(rows), show_comm_column(rows)
+    body = [head] + [cells(r, wide, pcie, comm) for r in rows]
     widths = [max(len(line[i]) for line in body) for i in range(len(head))]
     fmt = lambda line: "  ".join(c.ljust(w) if i in (0, len(line) - 1) else c.rjust(w)
                                  for i, (c, w) in enumerate(zip(line, widths))).rstrip()
@@ -910,10 +996,10 @@ def text_table(rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> str:
 
 def markdown_table(rows: List[Row], pcie: Optional[Dict[str, float]] = None) -> str:
     head = columns(rows)
-    wide = show_offload_columns(rows)
+    wide, comm = show_offload_columns(rows), show_comm_column(rows)
     esc = lambda s: s.replace("|", "\\|")
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + " |"]
-    lines += ["| " + " | ".join(esc(c) for c in cells(r, wide, pcie)) + " |" for r in rows]
+    lines += ["| " + " | ".join(esc(c) for c in cells(r, wide, pcie, comm)) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -1087,9 +1173,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rank == 0:
         print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
 
+    mismatched = layouts.world_errors(args.methods, args, world)
+    if mismatched:  # every rank sees the same: all stop before any row, the message once
+        if rank == 0:
+            print("layouts that do not fit this run:\n  " + "\n  ".join(mismatched), file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
     rows = []
     for key in args.methods:
-        method = METHODS[key]
+        method = method_of(key, args)
         if rank == 0:
             print(f"== {method.name}", flush=True)
         mine = measure(ctx, method)
@@ -1105,6 +1197,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rank == 0:
             summary = (", ".join(f"{c}: {v}" for c, v in zip(COLUMNS[1:-1], cells(row)[1:-1])) if row.status == "ok"
                        else f"{row.status}: {row.note}")
+            if row.comm_bytes:
+                summary += f", {layouts.COMM_COLUMN}: {layouts.comm_cell(row.comm_bytes)}"
             print("  " + summary, flush=True)
 
     if rank == 0:

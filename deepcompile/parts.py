@@ -150,9 +150,10 @@ class StepReportPart(Part):
 
     name = "step_report"
 
-    def __init__(self, step_report: StepReport, group: Optional[dist.ProcessGroup]):
+    def __init__(self, step_report: StepReport, group: Optional[dist.ProcessGroup], sharding: Any = None):
         self.feature = step_report
         self.group = group
+        self.sharding = sharding  # its own collectives count in the step's bytes (take_comm_bytes)
 
     def before_forward(self, moment, args, kwargs):
         self.feature.count_tokens(args, kwargs)
@@ -167,10 +168,27 @@ class StepReportPart(Part):
         self.feature.stop(phase)
 
     def after_step(self, moment, outcome):
-        # This step's collectives, counted since the previous step by the runtime.
-        self.feature.comm_bytes = runtime.comm_bytes(reset=True)
+        # This step's collectives since the previous step: the runtime's, and those the stage
+        # issues through torch.distributed (ZeRO-1/2's all-gather of the updated partitions).
+        extra = self.sharding.take_comm_bytes() if self.sharding is not None else {}
+        self.feature.comm_bytes = with_stage_bytes(runtime.comm_bytes(reset=True), extra)
         self.feature.after_optimizer_step(moment.global_steps, outcome.lrs, outcome.grad_norm, self.group,
                                           loss_scale=outcome.loss_scale)
+
+
+def with_stage_bytes(counted: Dict[str, Dict[str, int]],
+                     extra: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    """``runtime.comm_bytes``'s per-link counts with a stage's own payload bytes added (per link
+    and kind), each touched link's ``wire`` recomputed from its payloads by the runtime's ring
+    factors, so the report's ``wire`` stays what those payloads cost, rounded once."""
+    for link, kinds in extra.items():
+        entry = counted[link]
+        for kind, nbytes in kinds.items():
+            entry[kind] += int(nbytes)
+        n = entry["ranks"]
+        wire = sum(factor(n) * entry[kind] for kind, factor in runtime._WIRE_PER_PAYLOAD.items())
+        entry["wire"] = int(round(wire))
+    return counted
 
 
 class DebugChecksPart(Part):
@@ -308,7 +326,7 @@ def build_parts(config: Any, *, sharding: Any, schedule: Any, step_report: StepR
     micro_steps = config.gradient_accumulation_steps
     if budget is None:
         budget = local_memory_budget(config.compile, device)
-    built: List[Part] = [StepReportPart(step_report, group)]
+    built: List[Part] = [StepReportPart(step_report, group, sharding)]
     # compile.offload_opt_states / zero_optimization.offload_optimizer (deepcompile/offload/).
     offload = optimizer_state_offload(config, sharding, device, group, budget)
     units = offload.side if offload is not None else None

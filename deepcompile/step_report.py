@@ -29,10 +29,12 @@ between two device synchronizations (otherwise asynchronous CUDA work would be c
 waits next), and the same line gives the mean milliseconds per optimizer step of each phase since
 the previous line. Without it nothing is timed and nothing is synchronized.
 
-``comm_bytes``: the bytes of the runtime's collectives in the last optimizer step (from the end of
+``comm_bytes``: the bytes of the training collectives in the last optimizer step (from the end of
 the step before it), per link: ``{"shard": {...}, "replica": {...}}``, the replica link only under
-hybrid sharding (``runtime.comm_bytes``; docs/design/hybrid_sharding.md). Host counters only:
-reading them waits for nothing.
+hybrid sharding. The runtime's counters (``runtime.comm_bytes``) plus what the stage issues itself
+through torch.distributed (ZeRO-1/2's all-gather of the updated partitions, counted in the shard
+link's ``all_gather`` and ``wire``; ``Sharding.take_comm_bytes``), so it is the whole step's
+traffic (docs/design/hybrid_sharding.md). Host counters only: reading them waits for nothing.
 """
 
 from __future__ import annotations

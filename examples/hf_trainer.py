@@ -6,8 +6,9 @@ The script is an ordinary Trainer script; the only deepcompile-specific lines ar
 top, which must run before transformers' Trainer is imported. It trains a tiny Llama (logging
 loss and grad norm every step), evaluates, and saves the model (full 16-bit weights, from the
 config's stage3_gather_16bit_weights_on_model_save) for ``from_pretrained``. Without --deepspeed
-it is the same run without DeepSpeed (the tests' single-process reference). With --out, rank 0
-writes the log history and evaluation metrics to a JSON file.
+it is the same run without DeepSpeed (the tests' single-process reference). --mics-shard-size S
+turns on hybrid sharding (partitions over groups of S ranks, replicated across the groups). With
+--out, rank 0 writes the log history and evaluation metrics to a JSON file.
 """
 
 import deepcompile
@@ -41,12 +42,23 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
     p.add_argument("--eval-only", action="store_true", help="only evaluate (ZeRO inference), no training")
     p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (the config's fp16 \"auto\" follows it)")
+    p.add_argument("--mics-shard-size", type=int,
+                   help="hybrid sharding: partition over groups of this many ranks, replicated across the groups "
+                        "(sets zero_optimization.mics_shard_size in the --deepspeed config)")
     p.add_argument("--out")
     args = p.parse_args()
 
+    deepspeed_config = args.deepspeed
+    if args.mics_shard_size is not None:
+        if not args.deepspeed:
+            p.error("--mics-shard-size needs --deepspeed")
+        with open(args.deepspeed) as f:
+            deepspeed_config = json.load(f)  # Trainer takes the config as a dict as well as a file
+        deepspeed_config.setdefault("zero_optimization", {})["mics_shard_size"] = args.mics_shard_size
+
     training_args = TrainingArguments(
         output_dir=args.output_dir,
-        deepspeed=args.deepspeed,
+        deepspeed=deepspeed_config,
         per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.accumulation,

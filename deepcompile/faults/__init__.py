@@ -3,6 +3,7 @@
 * ``status``: what a rank publishes about itself, and how a peer judges it (plain data);
 * ``watchdog``: :class:`FaultWatchdog`, the heartbeat and watch threads over the process
   group's store, and the exit when a peer failed;
+* ``deadman``: the watchdog's exit of last resort, native timers that need no GIL;
 * ``process_hooks``: ``sys.excepthook`` and ``atexit``, which tell the watchdogs how this process ends;
 * ``injection``: :func:`kill_point`, SIGKILL at a named point for tests (``DC_TEST_KILL_AT``);
 * ``restartable``: :func:`init_process_group`, a process group that a torchrun restart can rebuild.

@@ -8,7 +8,8 @@ cause under one alarm key (the first cause written wins, so every rank reports t
 cause), and every rank that reads the alarm exits with :data:`PEER_FAILED_EXIT_CODE` after one
 line on stderr. ``os._exit`` is the only way out that works while the main thread waits inside
 a collective that cannot complete. A second thread, which never touches the store, makes the
-same exit when the store itself stops answering.
+same exit when the store itself stops answering, and keeps re-arming a native deadline
+(``deadman.py``) that makes it without Python if the main thread holds the GIL for good.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-from deepcompile.faults import injection
+from deepcompile.faults import deadman, injection
 from deepcompile.faults.status import ABORTED, ALIVE, DONE, FAILED, PeerJudge, RankStatus, machine_id
 
 # sysexits' EX_TEMPFAIL: this rank did nothing wrong, a restart may well succeed.
@@ -44,6 +45,13 @@ def store_call_limit(timeout_s: float) -> float:
     returns (CPython ends such a thread with a forced unwind that C++ turns into
     ``std::terminate``), so the exit waits for these calls, and never for long."""
     return max(2.0, 2.0 * heartbeat_interval(timeout_s))
+
+
+def native_deadline(timeout_s: float) -> float:
+    """How long the watchdog may go without running before the native deadline ends the process:
+    past the exit for a silent store (timeout plus two heartbeats) and the time that exit takes
+    (a bounded store call and a heartbeat's wait, about two heartbeats and 1.5 s)."""
+    return timeout_s + 2.0 * heartbeat_interval(timeout_s) + 2.0
 
 
 def watched_ranks(rank: int, world_size: int) -> List[int]:
@@ -176,13 +184,32 @@ class FaultWatchdog:
                 self._abort(cause)
 
     def _deadline(self) -> None:
-        """A store call that hangs instead of failing would silence the monitor: exit anyway."""
-        while not self._stopped.wait(self.interval):
-            silent = time.monotonic() - self._last_contact
-            if silent > self.timeout_s + 2 * self.interval and not self._stopped.is_set():
-                cause = self._known_cause() or (f"the process group's store has not answered for {silent:.1f} s, "
-                                                f"{self._store_host_hint()}")
-                self._abort(cause)
+        """A store call that hangs instead of failing would silence the monitor: exit anyway. A
+        main thread that holds the GIL in native code would silence this thread too: the native
+        deadline (deadman.py), re-armed at every turn, then exits without it. Only where the
+        exit is the process's own (a test's exit_process is not)."""
+        native = None
+        if self._exit_process is os._exit:
+            span = native_deadline(self.timeout_s)
+            native = deadman.NativeDeadline.create(
+                f"deepcompile: rank {self.rank} exits with code {PEER_FAILED_EXIT_CODE}: its fault watchdog has not "
+                f"run for {span:.1f} s, its main thread holding the GIL inside native code, so it cannot tell which "
+                "rank failed (the others report this one as stopped answering). The C library's last error",
+                PEER_FAILED_EXIT_CODE, span)
+        try:
+            while True:
+                if native is not None:
+                    native.arm()
+                if self._stopped.wait(self.interval):
+                    return
+                silent = time.monotonic() - self._last_contact
+                if silent > self.timeout_s + 2 * self.interval and not self._stopped.is_set():
+                    cause = self._known_cause() or (f"the process group's store has not answered for {silent:.1f} s, "
+                                                    f"{self._store_host_hint()}")
+                    self._abort(cause)
+        finally:
+            if native is not None:
+                native.close()
 
     # ---- store records
 

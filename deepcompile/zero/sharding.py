@@ -174,6 +174,13 @@ class Sharding(abc.ABC):
         """ds id -> name of every partitioned parameter."""
         return {s.ds_id: s.name for s in self.shards()}
 
+    def take_comm_bytes(self) -> Dict[str, Dict[str, int]]:
+        """Payload bytes of the collectives the stage issued itself (through torch.distributed,
+        which the runtime's counters do not see) since the last call, per link and kind, as
+        ``runtime.comm_bytes`` names them; the step report adds them to the runtime's counts. Empty
+        by default: a stage's training collectives go through the runtime."""
+        return {}
+
 
 class StateAccess(Protocol):
     """What a stage reads and writes its sharded state through while part of it may live on the

@@ -48,6 +48,8 @@ class Zero12Sharding(Sharding):
         self.stage = stage
         self.precision = precision
         self.allgather_bucket_size = config.zero_optimization.allgather_bucket_size
+        # Payload bytes of the post-step all-gathers since take_comm_bytes last read them.
+        self._gathered_bytes = 0
         self.module = model
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -170,6 +172,7 @@ class Zero12Sharding(Sharding):
             if chunk >= P:
                 flat = torch.empty(P * self.world, dtype=comm_dtype, device=self.device)
                 dist.all_gather_into_tensor(flat, master.to(self.device, comm_dtype), group=self.group)
+                self._gathered_bytes += flat.numel() * flat.element_size()
                 for p, off in zip(g.params, g.offsets):
                     p.copy_(flat[off : off + p.numel()].view_as(p))
                 continue
@@ -177,6 +180,7 @@ class Zero12Sharding(Sharding):
                 hi = min(P, lo + chunk)
                 got = torch.empty(self.world, hi - lo, dtype=comm_dtype, device=self.device)
                 dist.all_gather_into_tensor(got.view(-1), master[lo:hi].to(self.device, comm_dtype), group=self.group)
+                self._gathered_bytes += got.numel() * got.element_size()
                 for r in range(self.world):
                     # Rank r's piece holds flat elements [r * P + lo, r * P + hi) of the group.
                     begin, end = r * P + lo, r * P + hi
@@ -184,6 +188,12 @@ class Zero12Sharding(Sharding):
                         a, b = max(begin, off), min(end, off + p.numel())
                         if b > a:
                             p.view(-1)[a - off : b - off].copy_(got[r, a - begin : b - begin])
+
+    def take_comm_bytes(self) -> Dict[str, Dict[str, int]]:
+        # The all-gathers of the updated partitions run on the shard group's c10d group, the same
+        # ranks as the runtime's "shard" communicator; counted as it counts a gather (the output).
+        gathered, self._gathered_bytes = self._gathered_bytes, 0
+        return {"shard": {"all_gather": gathered}} if gathered else {}
 
     def eagerly_gathered_params(self) -> List[str]:
         return []  # parameters are replicated: nothing is ever gathered

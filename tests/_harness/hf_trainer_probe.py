@@ -8,8 +8,10 @@ Every rank writes ``P.rank<r>.json``:
   (built inside the served ``zero.Init`` or not, the bytes its ``.data`` owns, the elements of
   its value this rank holds) and the total element count of the model;
 * ``buffers``: every buffer of the model after ``initialize`` (rotary ``inv_freq`` among them);
-* ``scales``: per optimizer step, the loss scale, ``optimizer.overflow`` and a checksum of this
-  rank's parameter values after the step (what a skipped step leaves unchanged);
+* ``topology``: the engine's shard groups (hybrid or not, shard size, replicas);
+* ``scales``: per optimizer step, the loss scale, ``optimizer.overflow``, a checksum of this
+  rank's parameter values after the step (what a skipped step leaves unchanged) and the step's
+  bytes per link (``step_report.comm_bytes``);
 * with ``--poison-step N``: on rank R, the gradient of the embedding output at training
   micro-step N (counted from 0) holds an inf, so that step overflows on that rank only.
 
@@ -79,6 +81,9 @@ def main() -> None:
         engine, optimizer, loader, scheduler = real_initialize(*a, **kw)
         record["buffers"] = {n: b.tolist() for n, b in engine.module.named_buffers()}
         record["fp16"] = engine.fp16_enabled()
+        topology = engine.engine.topology
+        record["topology"] = {"hybrid": topology.hybrid, "shard_size": topology.shard_size,
+                              "replicas": topology.replicas}
         real_step = engine.step
 
         def step(*sa, **skw):
@@ -88,7 +93,8 @@ def main() -> None:
                 shards = engine.engine.sharding.shards()
                 record["scales"].append({"scale": float(engine.optimizer.cur_scale),
                                          "overflow": bool(engine.optimizer.overflow),
-                                         "checksum": sum(float(s.local.double().sum()) for s in shards)})
+                                         "checksum": sum(float(s.local.double().sum()) for s in shards),
+                                         "comm_bytes": engine.engine.step_report.comm_bytes})
 
         engine.step = step
         return engine, optimizer, loader, scheduler

@@ -427,6 +427,12 @@ def test_isolated_offload_rows_run_on_cpu_each_in_its_own_process(tmp_path):
     assert abs(losses[0] - reference[0]) < 1e-3, f"initial model differs from FSDP2's: {losses} vs {reference}"
     assert all(abs(a - b) < 5e-3 for a, b in zip(losses, reference)), f"z3-offload {losses} vs FSDP2 {reference}"
     assert "opt states offloaded" in z3["note"] and z3["host_peak_gib"] > 0
+    # The engine's bytes per link of the last measured step reach the row (one rank: the shard
+    # link only, nothing on the wire); the peer has none. Plain rows keep their labels.
+    shard = z3["comm_bytes"]["shard"]
+    assert set(z3["comm_bytes"]) == {"shard"} and shard["ranks"] == 1 and shard["wire"] == 0, z3["comm_bytes"]
+    assert shard["all_gather"] > 0 and shard["reduce_scatter"] > 0, shard
+    assert fsdp2["comm_bytes"] is None and z3["layout"] is None
     assert z3["transfers"]["transfer_ms"] == 0  # a CPU run has no host-device copies to find in its trace
     assert "H2D copies busy" in (trace / "z3-offload.txt").read_text()
     everything = rows["deepcompile ZeRO-3 + all offload kinds, budget"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness.multiproc import run_distributed
+from _harness.multiproc import require_world_size, run_distributed
 from _harness.paths import ROOT
 
 EXIT = 75  # deepcompile.faults.PEER_FAILED_EXIT_CODE; the tests also check the constant
@@ -238,36 +238,58 @@ def _env(**extra):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     env.pop("DC_TEST_KILL_AT", None)
+    # The workers run NCCL only where a test asks (the gpu tests below): the others stay gloo on the
+    # CPU under a GPU run of the suite too, at world sizes the machine's GPUs need not match.
+    env.pop("DC_TEST_DEVICE", None)
     env.update(extra)
     return env
 
 
 class Ranks:
-    """``world`` worker processes of one job; ``wait()`` records when each one ended."""
+    """``world`` worker processes of one job; ``wait()`` records when each one ended. Each rank
+    leads a process group of its own, which ``kill()`` ends whole: nothing a test started outlives
+    it (a rank hung in a CUDA or NCCL wait would otherwise hold its GPU for the rest of the run)."""
 
     def __init__(self, world, args, limit_s=240.0, **env):
         base = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), **env)
-        self.procs = [subprocess.Popen([sys.executable, "-m", "_harness.fault_worker", *args],
-                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True) for r in range(world)]
+        self.procs = []
+        try:
+            for r in range(world):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "_harness.fault_worker", *args],
+                    env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, start_new_session=True))
+        except BaseException:
+            self.kill()
+            raise
         self.limit_s = limit_s
         self.ended, self.out, self.err = {}, {}, {}
 
     def wait(self, expect_hung=()):
         """Until every rank but those of ``expect_hung`` has ended (then those are killed)."""
-        deadline = time.time() + self.limit_s
-        while time.time() < deadline:
+        try:
+            deadline = time.time() + self.limit_s
+            while time.time() < deadline:
+                for r, p in enumerate(self.procs):
+                    if r not in self.ended and p.poll() is not None:
+                        self.ended[r] = time.time()
+                if all(r in self.ended for r in range(len(self.procs)) if r not in expect_hung):
+                    break
+                time.sleep(0.05)
+        finally:
+            self.kill()
             for r, p in enumerate(self.procs):
-                if r not in self.ended and p.poll() is not None:
-                    self.ended[r] = time.time()
-            if all(r in self.ended for r in range(len(self.procs)) if r not in expect_hung):
-                break
-            time.sleep(0.05)
-        for r, p in enumerate(self.procs):
-            if p.poll() is None:
-                p.kill()
-            self.out[r], self.err[r] = p.communicate()
+                self.out[r], self.err[r] = p.communicate()
         return self
+
+    def kill(self):
+        """SIGKILL every rank still running, and whatever it started."""
+        for p in self.procs:
+            if p.returncode is None:  # not reaped yet: its pid, and so its group's id, are still its own
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def code(self, r):
         return self.procs[r].returncode
@@ -311,6 +333,93 @@ def test_a_frozen_rank_is_given_up_on_after_the_timeout():
     assert ranks.ended[0] - frozen_at < timeout + SLACK_S, ranks.report()
 
 
+def _blocked_rank(tmp_path, native, timeout_s):
+    """A rank (fault_worker ``blocked``) whose main thread waits in native code, and a stand-in
+    for its peer, killed once the rank waits. The rank's exit code (None: still waiting a minute
+    past the timeout, then killed), its stderr, and the seconds from the kill to its exit."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    rank = subprocess.Popen([sys.executable, "-m", "_harness.fault_worker", "blocked", "--dir",
+                             str(tmp_path / f"store-{native}"), "--peer-pid", str(peer.pid), "--timeout",
+                             str(timeout_s), "--native", native], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        said = rank.stdout.readline().strip()
+        peer.kill()
+        killed_at = time.time()
+        try:
+            err = rank.communicate(timeout=timeout_s + 60.0)[1]
+            code = rank.returncode
+        except subprocess.TimeoutExpired:
+            rank.kill()
+            err, code = rank.communicate()[1], None
+        assert said == "WAITING", err
+        return code, err, time.time() - killed_at
+    finally:
+        for p in (peer, rank):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_a_rank_whose_main_thread_waits_in_native_code_still_exits_naming_the_failed_rank(tmp_path):
+    """Over NCCL a survivor never raises: its main thread waits in a CUDA or NCCL call for a peer
+    that is gone. Those calls release the GIL, so the watchdog's threads run and end the process
+    (os._exit works from any thread) naming the peer. A call that keeps the GIL starves them: the
+    native deadline (faults/deadman.py), which needs neither the GIL nor Python, ends it then,
+    saying why it cannot name a rank."""
+    from deepcompile.faults.watchdog import native_deadline
+
+    timeout_s = 2.0
+    code, err, took = _blocked_rank(tmp_path, "released", timeout_s)
+    assert code == EXIT, err
+    assert "rank 1 died during backward of step 2" in err, err
+    assert f"Rank 0 (in step of step 2) exits with code {EXIT}" in err, err
+    assert took < timeout_s + SLACK_S, err  # found by its pid, well within the timeout
+    code, err, took = _blocked_rank(tmp_path, "held", timeout_s)
+    assert code == EXIT, f"a main thread holding the GIL kept the rank waiting (exit {code}):\n{err}"
+    assert f"rank 0 exits with code {EXIT}: its fault watchdog has not run for {native_deadline(timeout_s):.1f} s" \
+        in err, err
+    assert "rank 1 died" not in err, err  # the watchdog never ran: it cannot know
+
+
+# ---- the same over NCCL, one rank per GPU ---------------------------------------------------------
+# A survivor does not raise there: it waits in a collective (deepcompile's own NCCL communicator,
+# which torch's NCCL watchdog does not watch) and only the fault watchdog, through os._exit, ends
+# it. Rank 0 may be queued a phase ahead on the GPU when it leaves, so its own phase is not checked.
+
+
+@pytest.mark.gpu
+@pytest.mark.world_size(2)
+def test_over_nccl_a_rank_killed_mid_step_makes_the_other_exit_naming_it_within_the_timeout():
+    require_world_size(2)
+    timeout = 10.0
+    ranks = Ranks(2, ["train", "--steps", "4", "--timeout", str(timeout)], DC_TEST_KILL_AT="backward:2@1",
+                  DC_TEST_DEVICE="cuda").wait()
+    assert ranks.code(1) == -signal.SIGKILL, ranks.report()
+    assert ranks.code(0) == EXIT, ranks.report()
+    assert "rank 1 died during backward of step 2" in ranks.err[0], ranks.report()
+    assert "Rank 0 (in " in ranks.err[0] and f"exits with code {EXIT}" in ranks.err[0], ranks.report()
+    assert ranks.ended[0] - ranks.ended[1] < timeout + SLACK_S, ranks.report()
+
+
+@pytest.mark.gpu
+@pytest.mark.world_size(2)
+def test_over_nccl_a_rank_that_raises_makes_the_other_exit_with_its_error():
+    require_world_size(2)
+    timeout = 30.0
+    ranks = Ranks(2, ["train", "--steps", "3", "--timeout", str(timeout), "--fault", "raise@1@1"],
+                  DC_TEST_DEVICE="cuda").wait()
+    # The rank that raised ends as any uncaught error ends a script (its runtime's NCCL teardown
+    # must not wait for the survivor that has left).
+    assert ranks.code(1) == 1 and "ValueError: injected failure on rank 1" in ranks.err[1], ranks.report()
+    assert ranks.code(0) == EXIT, ranks.report()
+    assert "rank 1 failed during forward of step 1: ValueError: injected failure on rank 1" in ranks.err[0], \
+        ranks.report()
+    # Reported from rank 1's own record, not after the timeout.
+    raised_at = float(ranks.out[1].split("FAULT ")[1].split()[0])
+    assert ranks.ended[0] - raised_at < timeout, ranks.report()
+
+
 # ---- a rank killed during save_checkpoint --------------------------------------------------------
 
 # (kill point, rank killed, tag of the second save): every point of the commit protocol.
@@ -344,14 +453,18 @@ def test_a_rank_killed_anywhere_in_save_checkpoint_leaves_the_previous_checkpoin
         if tag:
             args += ["--second-tag", tag]
         runs.append((point, killed, root, reference, Ranks(2, args + ["--kill-at", f"{point}@{killed}"])))
-    for point, killed, root, reference, ranks in runs:  # all at once: most of each run is start-up
-        ranks.wait()
-        assert ranks.code(killed) == -signal.SIGKILL, f"{point}:\n{ranks.report()}"
-        assert ranks.code(1 - killed) == EXIT, f"{point}:\n{ranks.report()}"
-        # Rank 0 serves the store here: once it is dead, its phase is the last one rank 1 had read.
-        said = f"rank {killed} died during save_checkpoint of step 3" if killed else "rank 0 died during"
-        assert said in ranks.err[1 - killed], ranks.report()
-        assert (root / "latest").read_text() == "global_step2", point
+    try:
+        for point, killed, root, reference, ranks in runs:  # all at once: most of each run is start-up
+            ranks.wait()
+            assert ranks.code(killed) == -signal.SIGKILL, f"{point}:\n{ranks.report()}"
+            assert ranks.code(1 - killed) == EXIT, f"{point}:\n{ranks.report()}"
+            # Rank 0 serves the store here: once it is dead, its phase is the last one rank 1 had read.
+            said = f"rank {killed} died during save_checkpoint of step 3" if killed else "rank 0 died during"
+            assert said in ranks.err[1 - killed], ranks.report()
+            assert (root / "latest").read_text() == "global_step2", point
+    finally:
+        for *_, ranks in runs:  # a failed check leaves no run behind
+            ranks.kill()
     run_distributed(_load_and_compare, 2, args=([(str(root), str(ref)) for _, _, root, ref, _ in runs],))
 
 

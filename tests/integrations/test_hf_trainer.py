@@ -245,6 +245,41 @@ def test_trainer_qwen2_moe_matches_single_process(runs):
         torch.testing.assert_close(got[name], want[name], **WEIGHT_TOL, msg=lambda m: f"{name}: {m}")
 
 
+HYBRID_WORLD, HYBRID_SHARD = 4, 2
+
+
+def test_trainer_hybrid_sharding_matches_single_process(runs):
+    """zero_optimization.mics_shard_size in the Trainer's DeepSpeed config (examples/hf_trainer.py
+    --mics-shard-size) on 4 ranks as 2 shard groups of 2: the served deepspeed.initialize builds a
+    hybrid engine (every optimizer step's bytes have a replica link carrying the gradient
+    partitions' all-reduce). With one row per rank and micro-step the global batches are the
+    2-rank run's, so the logged loss, grad norm and learning rate match the same single-process
+    reference, within the same tolerance (the sum over 4 quarter-batches instead of 2 halves)."""
+    base = runs["base"]
+    micro = MICRO * WORLD // HYBRID_WORLD
+    hf_launch.torchrun(hf_launch.TRAINER_PROBE, [
+        "--probe-out", str(base / "hybrid_probe"), "--", "--deepspeed", DS_CONFIG,
+        "--mics-shard-size", str(HYBRID_SHARD), "--micro-batch", str(micro),
+        *_common(base / "hybrid.json", base / "hybrid")], nproc=HYBRID_WORLD)
+    got, ref = hf_launch.read_json(base / "hybrid.json"), runs["ref"]
+    assert got["engine"] == "deepcompile.integrations.deepspeed_api.engine" and got["world_size"] == HYBRID_WORLD
+    for rank in range(HYBRID_WORLD):
+        probe = hf_launch.read_json(f"{base / 'hybrid_probe'}.rank{rank}.json")
+        assert probe["topology"] == {"hybrid": True, "shard_size": HYBRID_SHARD,
+                                     "replicas": HYBRID_WORLD // HYBRID_SHARD}, rank
+        assert len(probe["scales"]) == STEPS, rank
+        for step in probe["scales"]:
+            links = step["comm_bytes"]
+            assert set(links) == {"shard", "replica"}, (rank, links)
+            assert links["shard"]["ranks"] == HYBRID_SHARD and links["replica"]["ranks"] == HYBRID_WORLD // HYBRID_SHARD
+            assert links["replica"]["all_reduce"] > 0 and links["shard"]["reduce_scatter"] > 0, (rank, links)
+    for key in ("loss", "grad_norm", "learning_rate"):
+        got_values, want = _per_step(got, key), _per_step(ref, key)
+        assert len(got_values) == len(want) == STEPS, key
+        torch.testing.assert_close(torch.tensor(got_values), torch.tensor(want), **TOL, msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(got["eval"]["eval_loss"], ref["eval"]["eval_loss"], **TOL)
+
+
 def test_trainer_evaluate_without_training_is_zero_inference(tmp_path):
     """Trainer.evaluate() with no training first: Trainer initializes DeepSpeed without an
     optimizer (ZeRO inference); the evaluation loss is the untrained model's, computed here in

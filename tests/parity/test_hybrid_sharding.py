@@ -12,17 +12,24 @@ against what the sizes predict (docs/design/hybrid_sharding.md):
   elements per parameter under ZeRO-3; this rank's owned pieces under ZeRO-1/2), nothing else;
 * shard link: reduce-scatters of the padded gradients, and gathers of the padded parameters of
   the shard group's size, so per-rank wire bytes of the gathers scale with ``(S - 1) / S`` of the
-  full parameters instead of ``(W - 1) / W``.
+  full parameters instead of ``(W - 1) / W``; under ZeRO-1/2 the reduces to the owners and the
+  stage's own all-gather of the updated partitions (torch.distributed, merged into the report).
+
+The parity launch also runs fp16 dynamic loss scaling with an overflow on one rank of one
+replica (``_fp16_overflow_body``): skipped on every rank, the same scale everywhere after it.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from _harness.multiproc import require_world_size, run_distributed
-from _harness.parity_cases import assert_parity, build_model, train_engine, train_reference
+from _harness.parity_cases import GLOBAL_BATCH, assert_parity, batch, build_model, train_engine, train_reference
+from _harness.poison_grad import PoisonGrad
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 CPU_WORLD = 4
@@ -96,10 +103,106 @@ def _parity_cases(world):
     return cases
 
 
+# ---- fp16 loss scaling ---------------------------------------------------------------------------
+# Configured as tests/precision/test_fp16_training.py's overflow cases: a dynamic scale from 2**8
+# that the first overflow halves. SGD with momentum, whose update is proportional to the gradient
+# (under Adam a scale left in the gradients would go unseen).
+
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
+INITIAL_SCALE = 2.0 ** 8
+FP16_STEPS, POISONED_STEP = 4, 1
+POISONED_RANK = 1  # one rank of the first shard group: only its gradients overflow
+# Hybrid against plain: each rank computes the same fp16 forward and backward on the same slice;
+# only the reduction's grouping differs ((S ranks) then (R replicas) against all W at once), in
+# the reduce dtype (fp16 for ZeRO-1/2), i.e. about 1e-3 relative on a gradient element. Over 3
+# applied SGD steps of lr 0.05 that moves the fp32 masters by well under 1e-4, and the fp16
+# parameters compared may round one unit in the last place apart (4.9e-4 for |p| < 1): atol 1e-3,
+# as test_fp16_training's parity. A gradient off by a factor (a replica all-reduce summing instead
+# of averaging, a scale not divided out) moves a parameter by a few 1e-3 in the first step.
+FP16_TOL = dict(rtol=2e-3, atol=1e-3)
+
+
+def _fp16_run(ctx, stage, shard):
+    """fp16 training where POISONED_RANK's gradients alone overflow at POISONED_STEP. Per
+    optimizer step: every rank's (overflow, cur_scale, the scaler's scale, skipped steps), the
+    global norm, the full fp16 parameters and this rank's fp32 master pieces."""
+    import deepcompile
+
+    torch._dynamo.reset()
+    model = build_model("mlp", device=ctx.device)
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // ctx.world_size, "fp16": FP16,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "mics_shard_size": shard}}
+    engine = deepcompile.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config,
+                                    device=ctx.device)
+    assert engine.topology.hybrid == (shard < ctx.world_size) and engine.loss_scaler.loss_scale == INITIAL_SCALE
+    current = {"step": 0}
+    if ctx.rank == POISONED_RANK:
+        model.fc1.register_forward_hook(
+            lambda m, i, out: PoisonGrad.apply(out) if current["step"] == POISONED_STEP else out)
+    n = GLOBAL_BATCH // ctx.world_size
+    steps = []
+    for k in range(FP16_STEPS):
+        current["step"] = k
+        x, y = batch("mlp", k, device=ctx.device, dtype=torch.float16)
+        engine.backward(engine(x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]))
+        engine.step()
+        flags = [None] * ctx.world_size
+        dist.all_gather_object(flags, (engine.optimizer.overflow, engine.optimizer.cur_scale,
+                                       engine.loss_scaler.loss_scale, engine.skipped_steps))
+        steps.append({"flags": flags, "norm": engine.get_global_grad_norm(),
+                      "params": engine.full_state_dict(all_ranks=True),
+                      "masters": [s.local.detach().cpu().clone() for s in engine.sharding.shards()]})
+    engine.destroy()
+    return steps
+
+
+def _fp16_overflow_body(ctx):
+    """The overflow vote is over the world under hybrid sharding: the inf of one rank of one
+    replica reaches the other replica through the gradient partitions' all-reduce, so every rank
+    skips the same step and lowers its scale alike; the other steps are in parity with plain
+    ZeRO over the world, which skips the same step."""
+    shard = ctx.world_size // 2
+    for stage in (2, 3):
+        hybrid, plain = _fp16_run(ctx, stage, shard), _fp16_run(ctx, stage, ctx.world_size)
+        for k, (h, p) in enumerate(zip(hybrid, plain)):
+            case = f"fp16 ZeRO-{stage} {ctx.world_size // shard}x{shard}, step {k}"
+            scale = INITIAL_SCALE / 2 if k >= POISONED_STEP else INITIAL_SCALE  # the scale after step k
+            want = (k == POISONED_STEP, scale, scale, int(k >= POISONED_STEP))
+            assert h["flags"] == [want] * ctx.world_size, (case, h["flags"])
+            assert p["flags"] == h["flags"], (case, p["flags"])
+            # The replicas hold the same model, bit for bit.
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, h["params"])
+            for other in everyone:
+                assert all(torch.equal(other[name], h["params"][name]) for name in h["params"]), case
+            if k == POISONED_STEP:
+                assert not math.isfinite(h["norm"]) and not math.isfinite(p["norm"]), case
+                # Nothing moved: the state is the one after step k - 1, when nothing had yet told
+                # this run from a clean one (fp16 parameters and fp32 masters, bitwise).
+                before = hybrid[k - 1]
+                assert all(torch.equal(h["params"][name], before["params"][name]) for name in h["params"]), case
+                assert all(torch.equal(a, b) for a, b in zip(h["masters"], before["masters"])), case
+                continue
+            assert math.isclose(h["norm"], p["norm"], rel_tol=FP16_TOL["rtol"]), (case, h["norm"], p["norm"])
+            for name in p["params"]:
+                torch.testing.assert_close(h["params"][name].float(), p["params"][name].float(), **FP16_TOL,
+                                           msg=lambda m: f"{case}, {name}: {m}")
+        # Training went on after the skipped step.
+        assert any(not torch.equal(hybrid[-1]["params"][name], hybrid[POISONED_STEP]["params"][name])
+                   for name in hybrid[-1]["params"])
+
+
+def _parity_and_fp16_body(ctx, cases):
+    _parity_body(ctx, cases)
+    _fp16_overflow_body(ctx)  # in the same launch: one set of 4 processes for both
+
+
 @pytest.mark.world_size(CPU_WORLD)
 def test_hybrid_parity_zero123_eager_and_inductor():
+    """The cases of _parity_cases, then fp16 loss scaling with an overflow on one rank of one
+    replica (_fp16_overflow_body), in one launch."""
     require_world_size(CPU_WORLD)  # on GPUs: 4 of them (2 GPUs: test_hybrid_parity_on_two_gpus)
-    run_distributed(_parity_body, CPU_WORLD, args=(_parity_cases(CPU_WORLD),), timeout=TIMEOUT)
+    run_distributed(_parity_and_fp16_body, CPU_WORLD, args=(_parity_cases(CPU_WORLD),), timeout=TIMEOUT)
 
 
 @pytest.mark.gpu
@@ -109,7 +212,7 @@ def test_hybrid_parity_on_two_gpus():
     and 1x2 (plain)."""
     require_world_size(2)
     cases = [(3, 1, "eager", 1), (3, 1, "inductor", 1), (3, 2, "eager", 1), (1, 1, "eager", 2), (2, 1, "eager", 2)]
-    run_distributed(_parity_body, 2, args=(cases,), timeout=TIMEOUT)
+    run_distributed(_parity_and_fp16_body, 2, args=(cases,), timeout=TIMEOUT)
     run_distributed(_bytes_body, 2, timeout=TIMEOUT)
 
 
@@ -135,15 +238,18 @@ def _zero3_step_bytes(ctx, shard):
     return counted, predicted
 
 
-def _zero2_step_bytes(ctx, shard):
-    """ZeRO-2: one reduce per owned range of every gradient on the shard link, this rank's owned
-    pieces all-reduced on the replica link."""
-    got, engine = train_engine("mlp", 2, _config(2, shard), "eager", ctx.device)
+def _zero12_step_bytes(ctx, stage, shard, gas):
+    """ZeRO-1/2, the last of two optimizer steps: on the shard link one reduce per owned range of
+    every gradient per reduction (ZeRO-2: every micro-step; ZeRO-1: once per window) and the
+    all-gather of the updated partitions (zero/stage12.py, fp32 on gloo: the whole padded flat
+    group), this rank's owned pieces all-reduced on the replica link per reduction."""
+    got, engine = train_engine("mlp", 2 * gas, _config(stage, shard, gas), "eager", ctx.device)
     counted = engine.step_report.comm_bytes
     owned = sum(s.end - s.start for s in engine.sharding.shards())
     engine.destroy()
-    numel = sum(p.numel() for p in build_model("mlp").parameters())
-    return counted, 4 * numel, 4 * owned
+    numel = sum(p.numel() for p in build_model("mlp").parameters())  # one param group
+    reductions = gas if stage == 2 else 1
+    return counted, reductions * 4 * numel, reductions * 4 * owned, 4 * _padded(numel, shard)
 
 
 def _without_wire(link):
@@ -176,11 +282,16 @@ def _bytes_body(ctx):
     replica = hybrid_counts["replica"]
     assert replica["all_gather"] == replica["reduce_scatter"] == replica["reduce"] == 0 and replica["all_reduce"] > 0
 
-    counted, reduced, owned = _zero2_step_bytes(ctx, hybrid)
-    assert _without_wire(counted["shard"]) == {"ranks": hybrid, "all_gather": 0, "reduce_scatter": 0,
-                                               "reduce": reduced, "all_reduce": 0}, counted
-    assert _without_wire(counted["replica"]) == {"ranks": world // hybrid, "all_gather": 0, "reduce_scatter": 0,
-                                                 "reduce": 0, "all_reduce": owned}, counted
+    for stage, gas in ((2, 1), (1, 2)):
+        counted, reduced, owned, gathered = _zero12_step_bytes(ctx, stage, hybrid, gas)
+        assert _without_wire(counted["shard"]) == {"ranks": hybrid, "all_gather": gathered, "reduce_scatter": 0,
+                                                   "reduce": reduced, "all_reduce": 0}, (stage, counted)
+        assert _without_wire(counted["replica"]) == {"ranks": world // hybrid, "all_gather": 0, "reduce_scatter": 0,
+                                                     "reduce": 0, "all_reduce": owned}, (stage, counted)
+        # The wire bytes include the all-gather's: (S-1)/S of it, rounded once with the rest.
+        shard, replica = counted["shard"], counted["replica"]
+        assert shard["wire"] == round((hybrid - 1) / hybrid * (gathered + reduced)), (stage, counted)
+        assert replica["wire"] == round(2 * (world // hybrid - 1) / (world // hybrid) * owned), (stage, counted)
     _modifier_rank_reaches_every_replica(ctx, hybrid)
 
 
