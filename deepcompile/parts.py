@@ -185,9 +185,7 @@ def with_stage_bytes(counted: Dict[str, Dict[str, int]],
         entry = counted[link]
         for kind, nbytes in kinds.items():
             entry[kind] += int(nbytes)
-        n = entry["ranks"]
-        wire = sum(factor(n) * entry[kind] for kind, factor in runtime._WIRE_PER_PAYLOAD.items())
-        entry["wire"] = int(round(wire))
+        entry["wire"] = runtime.wire_bytes({k: entry[k] for k in runtime.COLLECTIVE_KINDS}, entry["ranks"])
     return counted
 
 

@@ -70,6 +70,8 @@ __all__ = [
     "world_size",
     "rank",
     "comm_bytes",
+    "wire_bytes",
+    "COLLECTIVE_KINDS",
     "secondary_size",
     "secondary_bytes",
     "secondary_valid",
@@ -222,11 +224,19 @@ def secondary_bytes() -> int:
     return int(_C.secondary_bytes())
 
 
+# The kinds of collective the runtime counts bytes of (comm_bytes).
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "reduce", "all_reduce")
 # Bytes each rank sends per payload byte under ring algorithms, for a communicator of n ranks: an
 # all-gather, reduce-scatter or reduce passes n - 1 of its n chunks on; an all-reduce is a
 # reduce-scatter followed by an all-gather.
 _WIRE_PER_PAYLOAD = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                      "reduce": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n}
+
+
+def wire_bytes(payloads: Dict[str, int], ranks: int) -> int:
+    """The bytes one rank sends for ``payloads`` (collective kind -> payload bytes, the kinds of
+    :func:`comm_bytes`) on a link of ``ranks`` ranks under ring algorithms, rounded once."""
+    return int(round(sum(_WIRE_PER_PAYLOAD[kind](ranks) * nbytes for kind, nbytes in payloads.items())))
 
 
 def comm_bytes(reset: bool = False) -> Dict[str, Dict[str, int]]:
@@ -240,8 +250,7 @@ def comm_bytes(reset: bool = False) -> Dict[str, Dict[str, int]]:
     out: Dict[str, Dict[str, int]] = {}
     for link, counted in _C.comm_bytes(reset).items():
         n = int(counted.pop("size"))
-        wire = sum(_WIRE_PER_PAYLOAD[kind](n) * nbytes for kind, nbytes in counted.items())
-        out[str(link)] = {"ranks": n, **{k: int(v) for k, v in counted.items()}, "wire": int(round(wire))}
+        out[str(link)] = {"ranks": n, **{k: int(v) for k, v in counted.items()}, "wire": wire_bytes(counted, n)}
     return out
 
 
