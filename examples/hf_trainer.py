@@ -48,17 +48,16 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
 
-    deepspeed_config = args.deepspeed
     if args.mics_shard_size is not None:
         if not args.deepspeed:
             p.error("--mics-shard-size needs --deepspeed")
         with open(args.deepspeed) as f:
-            deepspeed_config = json.load(f)  # Trainer takes the config as a dict as well as a file
-        deepspeed_config.setdefault("zero_optimization", {})["mics_shard_size"] = args.mics_shard_size
+            args.deepspeed = json.load(f)  # Trainer takes the config as a dict as well as a file
+        args.deepspeed.setdefault("zero_optimization", {})["mics_shard_size"] = args.mics_shard_size
 
     training_args = TrainingArguments(
         output_dir=args.output_dir,
-        deepspeed=deepspeed_config,
+        deepspeed=args.deepspeed,
         per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.accumulation,
