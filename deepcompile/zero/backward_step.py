@@ -20,8 +20,16 @@ ids the graph reduced). Each graph ends in ``dc.end_backward``, which flushes ev
 reduction and makes the compute stream wait for them, so the partitions are complete, in stream
 order, when the step reads them. With regional compilation (``engine.compile(regional=True)``)
 every layer's backward is a graph of its own, and its parameters step as the backward leaves it;
-a whole-model graph has one such point, at its end, and gains nothing. Parameters reduced only
-by eager code (outside compiled graphs) step with the others in ``engine.step()``.
+a whole-model graph has one such point, at its end, and gains nothing.
+
+Leaf modules (zero/leaf_modules.py: marked with ``set_leaf_modules``, or by the backend where a
+graph reading parameters through a custom operator cannot compile, as transformers' grouped-mm
+experts on CUDA) run eagerly inside a compiled layer, and their backward queues their reductions
+outside any graph. It tells this class which (``note_eager_reductions``); the next compiled
+backward graph's ``dc.end_backward`` flushes them with its own, so they step after that graph
+like its parameters do. A leaf that no compiled backward graph follows (the first module of the
+model) steps in ``engine.step()``, as do the parameters of other eagerly run code (the embedding,
+the head and the modules outside compiled layers).
 
 What it needs, checked by the config (config.py): ZeRO-3, no gradient clipping (the global norm
 needs every gradient before the first update), no optimizer-state or parameter offload (their
@@ -69,6 +77,8 @@ class BackwardStep:
         self._spent_square: Optional[torch.Tensor] = None
         self.stepped_last_window: List[int] = []  # ds ids stepped in the backward, for reports and tests
         self._graph_ran = False  # a compiled backward graph reported to an armed window
+        # Reductions a leaf's backward queued since the last graph reported (note_eager_reductions).
+        self._eager_reduced: List[int] = []
         self._warned = False
 
     def begin_backward(self, boundary: bool, profiled: bool) -> None:
@@ -77,13 +87,23 @@ class BackwardStep:
         if profiled:
             self._window_exact = False
         self.armed = boundary and not profiled and bool(self.final_count)
+        self._eager_reduced = []
+
+    def note_eager_reductions(self, ds_ids: Sequence[int]) -> None:
+        """A leaf module's backward queued reductions of ``ds_ids`` (eager code, no graph's own):
+        they are flushed by the next compiled backward graph, which steps them if final."""
+        if self.armed:
+            self._eager_reduced.extend(ds_ids)
 
     def after_graph(self, ds_ids: Sequence[int]) -> None:
-        """A compiled backward graph that reduced ``ds_ids`` has run: step those whose gradient
-        is now final."""
+        """A compiled backward graph that reduced ``ds_ids`` has run: step those, and those a
+        leaf reduced before it (its ``dc.end_backward`` flushed every queued reduction), whose
+        gradient is now final."""
         if not self.armed:
             return
         self._graph_ran = True
+        if self._eager_reduced:
+            ds_ids, self._eager_reduced = [*ds_ids, *self._eager_reduced], []
         # Only this graph's ids: the whole map would cost every parameter per layer graph.
         counts = {i: runtime.reduce_count(i) for i in dict.fromkeys(ds_ids)}
         self._check_not_late(ds_ids, counts)
@@ -117,6 +137,7 @@ class BackwardStep:
             return stepped, square
         finally:
             self._graph_ran = False
+            self._eager_reduced = []
             self._stepped = {}
             self._spent_square = None
             self._window_exact = True

@@ -13,7 +13,7 @@ gradient is reduced into the parameter's partition through the runtime like any 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Dict, List, Set
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
@@ -54,20 +54,25 @@ class _GatherForEager(torch.autograd.Function):
 
 class _GatherLeafForEager(torch.autograd.Function):
     """All parameters of a leaf module, gathered together; the backward reduces a gradient for
-    every trainable one (zero where this rank did not use it), in the same order on every rank."""
+    every trainable one (zero where this rank did not use it), in the same order on every rank,
+    and tells ``on_reduced`` (if any) which it reduced."""
 
     @staticmethod
-    def forward(ctx, ds_ids, trainable, *placeholders: torch.Tensor):
-        ctx.ds_ids, ctx.trainable = ds_ids, trainable
+    def forward(ctx, ds_ids, trainable, on_reduced, *placeholders: torch.Tensor):
+        ctx.ds_ids, ctx.trainable, ctx.on_reduced = ds_ids, trainable, on_reduced
         return tuple(gather_full_copy(p, ds_id) for p, ds_id in zip(placeholders, ds_ids))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        reduced = []
         for ds_id, trainable, grad in zip(ctx.ds_ids, ctx.trainable, grads):
             if trainable:
                 debug_checks.note_reductions((ds_id,))
                 ops.reduce_grad(grad.contiguous(), EAGER_GRAPH_ID, ds_id)
-        return (None, None) + (None,) * len(grads)
+                reduced.append(ds_id)
+        if ctx.on_reduced is not None and reduced:
+            ctx.on_reduced(reduced)
+        return (None, None, None) + (None,) * len(grads)
 
 
 class EagerGatherHooks:
@@ -76,6 +81,9 @@ class EagerGatherHooks:
     def __init__(self, module: nn.Module, params: List[ShardedParam]):
         self._by_param: Dict[int, ShardedParam] = {id(sp.param): sp for sp in params}
         self.gathered_ids: Set[int] = set()
+        # Told the ds ids each leaf's backward reduced: compile.optimizer_step_in_backward steps
+        # them once final (zero/backward_step.py). None: nobody needs to know.
+        self.on_leaf_reductions: Optional[Callable[[Sequence[int]], None]] = None
         self._hooked: List[nn.Module] = [
             sub for sub in module.modules()
             if any(id(p) in self._by_param for p in compat.direct_parameters(sub).values() if p is not None)
@@ -95,6 +103,11 @@ class EagerGatherHooks:
         # gathers. Otherwise the forward runs eagerly, here (torch 2.11 runs a module called from
         # a frame it skipped this way: its forward is torch's own code, not compiled as a frame).
         if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward):
+            return
+        # A leaf's own parameters are gathered by its scope, with the rest of the leaf's
+        # (leaf_scope): one gather, and a gradient for each in every backward. Gathered here
+        # first, they would reach the scope as gathered copies it does not know.
+        if leaf_modules.is_leaf(module):
             return
         self._gather_now(module)
 
@@ -136,10 +149,10 @@ class EagerGatherHooks:
         ids = tuple(sp.ds_id for sp in sps)
         if torch.is_grad_enabled() and any(sp.param.requires_grad for sp in sps):
             fulls = _GatherLeafForEager.apply(ids, tuple(sp.param.requires_grad for sp in sps),
-                                              *[sp.param for sp in sps])
+                                              self.on_leaf_reductions, *[sp.param for sp in sps])
         else:
             with torch.no_grad():
-                fulls = _GatherLeafForEager.apply(ids, (False,) * len(ids), *[sp.param for sp in sps])
+                fulls = _GatherLeafForEager.apply(ids, (False,) * len(ids), None, *[sp.param for sp in sps])
         self.gathered_ids.update(ids)
         full_of = {id(sp.param): full for sp, full in zip(sps, fulls)}
         owners = [(owner, name, p) for owner in leaf.modules() for name, p in compat.direct_parameters(owner).items()

@@ -68,6 +68,7 @@ class Zero3Sharding(Sharding):
         gathered_params.register(self)  # deepspeed.zero.GatheredParameters finds these parameters' stage
         if config.compile.optimizer_step_in_backward:
             self.backward_step = BackwardStep(self.optimizer, self.param_names(), self.sub_group_size)
+            self.eager.on_leaf_reductions = self.backward_step.note_eager_reductions
 
     def start_backward(self, boundary: bool) -> None:
         # Gradient partitions need no preparation: the runtime allocates each at its first

@@ -7,6 +7,8 @@ global batch, at 2 and 3 ranks, for every stage and both backends.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,12 +53,30 @@ class ExpertLoop(nn.Module):
         return out
 
 
-class RoutedMoE(nn.Module):
+class OwnedExpertLoop(ExpertLoop):
+    """The experts' weights as parameters of the leaf itself (as transformers' fused experts hold
+    them), one per expert: the one rank 0 routes nothing to gets no gradient from autograd there,
+    so only the leaf's own gather can give it one on every rank."""
+
     def __init__(self, disable_loop: bool):
+        nn.Module.__init__(self)
+        for e in range(N_EXPERTS):
+            layer = nn.Linear(6, 5)
+            setattr(self, f"weight{e}", layer.weight)
+            setattr(self, f"bias{e}", layer.bias)
+        self.experts = [functools.partial(self._expert, e) for e in range(N_EXPERTS)]
+        self.disable_loop = disable_loop
+
+    def _expert(self, e, h):
+        return nn.functional.linear(h, getattr(self, f"weight{e}"), getattr(self, f"bias{e}"))
+
+
+class RoutedMoE(nn.Module):
+    def __init__(self, disable_loop: bool, loop=ExpertLoop):
         super().__init__()
         self.proj = nn.Linear(6, 6)
         self.gate = nn.Linear(6, N_EXPERTS)
-        self.moe = ExpertLoop(disable_loop)
+        self.moe = loop(disable_loop)
 
     def forward(self, x, route, y):
         h = torch.tanh(self.proj(x))
@@ -64,9 +84,9 @@ class RoutedMoE(nn.Module):
         return ((self.moe(h, route, weights) - y) ** 2).mean()
 
 
-def _model(disable_loop, device):
+def _model(disable_loop, device, loop=ExpertLoop):
     torch.manual_seed(4321)
-    return RoutedMoE(disable_loop).to(device)
+    return RoutedMoE(disable_loop, loop).to(device)
 
 
 def _batch(step, device):
@@ -76,15 +96,15 @@ def _batch(step, device):
     return x.to(device), torch.tensor(ROUTES, device=device), y.to(device)
 
 
-def _body(ctx, stage, backend, disable_loop, steps=3):
+def _body(ctx, stage, backend, disable_loop, steps=3, loop=ExpertLoop):
     import deepcompile
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = _model(disable_loop, ctx.device)
+    reference = _model(disable_loop, ctx.device, loop)
     ref_opt = make_optimizer(reference.parameters())
-    model = _model(disable_loop, ctx.device)
-    (leaf,) = deepcompile.set_leaf_modules(model, [ExpertLoop])
+    model = _model(disable_loop, ctx.device, loop)
+    (leaf,) = deepcompile.set_leaf_modules(model, [loop])
     assert leaf is model.moe
     cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 64}}
     if stage == 3:
@@ -113,7 +133,9 @@ def _body(ctx, stage, backend, disable_loop, steps=3):
         torch.testing.assert_close(got[name], value.cpu(), **(INDUCTOR_TOL if backend == "inductor" else TOL),
                                    msg=lambda m: f"{name}: {m}")
     if stage == 3:
-        assert {f"moe.experts.{e}.weight" for e in range(N_EXPERTS)} <= set(engine.eagerly_gathered_params())
+        expert_weights = {f"moe.experts.{e}.weight" if loop is ExpertLoop else f"moe.weight{e}"
+                          for e in range(N_EXPERTS)}
+        assert expert_weights <= set(engine.eagerly_gathered_params())
     engine.destroy()
 
 
@@ -122,6 +144,15 @@ def _body(ctx, stage, backend, disable_loop, steps=3):
 @pytest.mark.parametrize("disable_loop", [True, False], ids=["disabled_loop", "graph_break"])
 def test_imbalanced_experts_in_an_eager_leaf(world, stage, disable_loop):
     run_distributed(_body, world, args=(stage, "eager", disable_loop), timeout=300)
+
+
+@pytest.mark.world_size(single_world_size())
+@pytest.mark.parametrize("stage", [3, 2])
+def test_imbalanced_experts_owned_by_the_leaf(stage):
+    """The leaf's own parameters are gathered and reduced by the leaf (ZeRO-3: not by the
+    per-module eager hooks, which would gather them first and reduce only what autograd reached)."""
+    run_distributed(_body, single_world_size(), args=(stage, "eager", True), kwargs={"loop": OwnedExpertLoop},
+                    timeout=300)
 
 
 @pytest.mark.world_size(single_world_size())

@@ -13,7 +13,10 @@ Each case trains the same model twice on the same batches, with the option on an
 * from the first window after an exact one (nothing profiled) on, every layer parameter stepped
   in the backward and, when the backward returns, holds no gradient partition any more (what
   lowers the memory), while the parameters outside the compiled layers (run eagerly) still do and
-  step in ``engine.step()``.
+  step in ``engine.step()``. Layer parameters of leaf modules (run eagerly inside a compiled
+  layer, reduced by the leaf's backward) count as layer parameters: they step after the next
+  layer graph (``test_step_in_backward_with_leaf_experts``; on CUDA the plain Qwen2-MoE case too,
+  whose experts the backend makes leaves).
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ def _config(on: bool, gas: int = 1, extra: Optional[dict] = None, persistence: i
 
 
 def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: int, extra: Optional[dict] = None,
-           persistence: int = 0, optimizer: str = "adamw"):
+           persistence: int = 0, optimizer: str = "adamw", leaf_experts: bool = False):
     import deepcompile
     from deepcompile import runtime
+    from deepcompile.zero.leaf_modules import leaf_parameters, leaves_of
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, device=ctx.device)
+    if leaf_experts:  # what the backend does on its own where the experts' graph cannot compile (CUDA)
+        deepcompile.set_leaf_modules(model, [type(model.model.model.layers[0].mlp.experts)])
     engine = deepcompile.initialize(model, make_optimizer(model.parameters(), optimizer),
                                     _config(on, gas, extra, persistence))
     engine.compile(backend=backend, regional=regional)
@@ -87,15 +93,22 @@ def _train(ctx, name: str, backend: str, regional, on: bool, steps: int, gas: in
         assert stepped_early[:2] == [set(), set()], "the first two windows (profiled, then learning) step as before"
         assert all(s == layer_ids for s in stepped_early[2:]) and windows > 2, \
             f"expected every layer parameter stepped in the backward from window 2 on: {stepped_early}"
+        # Leaves (marked up front, or by the backend where a graph could not compile): their
+        # parameters are reduced by eager code and still stepped in the backward (checked above).
+        leaf_ids = {engine.sharding.ds_id_of[id(p)] for leaf in leaves_of(model) for _, _, p in leaf_parameters(leaf)}
+        assert leaf_ids <= layer_ids, f"leaves outside the layers: {sorted(names[i] for i in leaf_ids - layer_ids)}"
+        if leaf_experts:
+            assert leaf_ids == {i for i, n in names.items() if ".mlp.experts." in n}, \
+                f"expected the experts of every layer as leaves: {sorted(names[i] for i in leaf_ids)}"
     result = RunResult(losses, {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}, norms)
     engine.destroy()
     return result
 
 
 def _body(ctx, name: str, backend: str, regional, steps: int = 5, gas: int = 1, extra: Optional[dict] = None,
-          persistence: int = 0, optimizer: str = "adamw"):
-    on = _train(ctx, name, backend, regional, True, steps, gas, extra, persistence, optimizer)
-    off = _train(ctx, name, backend, regional, False, steps, gas, extra, persistence, optimizer)
+          persistence: int = 0, optimizer: str = "adamw", leaf_experts: bool = False):
+    on = _train(ctx, name, backend, regional, True, steps, gas, extra, persistence, optimizer, leaf_experts)
+    off = _train(ctx, name, backend, regional, False, steps, gas, extra, persistence, optimizer, leaf_experts)
     assert on.losses == off.losses, f"losses differ: {on.losses} vs {off.losses}"
     for key, value in off.params.items():
         assert torch.equal(on.params[key], value), f"{key} differs from the run with the step after the backward"
@@ -143,6 +156,14 @@ def test_step_in_backward_transformers(name, backend):
     router sends tokens to different experts in every step (every expert of a layer graph is
     still reduced once per micro-step, so every layer parameter steps in the backward)."""
     run_distributed(_body, WORLD, args=(name, backend, True), timeout=900)
+
+
+def test_step_in_backward_with_leaf_experts():
+    """Qwen2-MoE with its experts run eagerly as leaf modules (``set_leaf_modules``), as the
+    backend makes them on its own where their graph cannot compile (CUDA: transformers' grouped-mm
+    experts). The leaf's backward reduces the experts' gradients outside any compiled graph; they
+    still step in the backward, after the next layer graph's ``end_backward`` has flushed them."""
+    run_distributed(_body, WORLD, args=("qwen2_moe", "eager", True), kwargs={"leaf_experts": True}, timeout=900)
 
 
 # ---- a parameter used more often than in the windows it was learned from -----------------------
