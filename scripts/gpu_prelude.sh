@@ -6,6 +6,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16}
+# Hopper only (the machine's H100/H200). The machine's own list names arch-specific targets
+# ("9.0a"), which DeepSpeed 0.19.8's op builder cannot parse (its DeepCompile row then fails).
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_OVERRIDE:-9.0}
 
 gpu_build() {  # build log in $OUT/build.log; on failure its tail, and the calling script exits
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
