@@ -71,8 +71,12 @@ def _parity_body(ctx, hpz, cases):
             (case, links)
         if not (feature and "warmup_steps" in feature) or gas > 1:
             assert links["secondary"]["all_gather"] > 0, (case, released, links)
+        # The schedule report names the link and shows what the copies hold.
         report = engine.schedule_report()
-        assert report["links"]["secondary"]["ranks"] == hpz, (case, report.get("links"))
+        secondary = report["links"]["secondary"]
+        assert secondary["ranks"] == hpz and secondary["secondary_copy_bytes"] == runtime.secondary_bytes(), \
+            (case, report.get("links"))
+        assert "secondary" in report.to_text(), case
         wanted = ["backward_step"] if feature and "optimizer_step_in_backward" in feature else \
             ["optimizer_state_offload"] if feature and "offload_opt_states" in feature else []
         for name in wanted:  # the feature was on, not only configured
