@@ -97,27 +97,23 @@ class ProcessGroupCommunicator final : public Communicator {
     checkInGroup();
     trace("reduce", buffer.numel());
     bytes_.reduce += nbytes(buffer);
-    at::Tensor staged = stage(buffer);
-    divideBySize(staged);  // gloo has no average: divide first, then sum
-    std::vector<at::Tensor> tensors{staged};
-    c10d::ReduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    opts.rootRank = root;
-    issue(group_->reduce(tensors, opts), {staged});
-    if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
+    averageInPlace(buffer, [&](std::vector<at::Tensor>& tensors) {
+      c10d::ReduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      opts.rootRank = root;
+      return group_->reduce(tensors, opts);
+    });
   }
 
   void allReduce(const at::Tensor& buffer) override {
     checkInGroup();
     trace("all-reduce", buffer.numel());
     bytes_.all_reduce += nbytes(buffer);
-    at::Tensor staged = stage(buffer);
-    divideBySize(staged);  // gloo has no average: divide first, then sum
-    std::vector<at::Tensor> tensors{staged};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    issue(group_->allreduce(tensors, opts), {staged});
-    if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
+    averageInPlace(buffer, [&](std::vector<at::Tensor>& tensors) {
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      return group_->allreduce(tensors, opts);
+    });
   }
 
   CompletionPtr endGroup() override {
@@ -158,6 +154,17 @@ class ProcessGroupCommunicator final : public Communicator {
   void issue(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> buffers) {
     works_.push_back(std::move(work));
     for (auto& b : buffers) keep_alive_.push_back(std::move(b));
+  }
+  // reduce and allReduce: `sum` issues a SUM over the staged copy of `buffer`; gloo has no
+  // average, so the copy is divided first; the result lands back in `buffer` when the group ends
+  // (staging made a copy) or in place.
+  template <typename Sum>
+  void averageInPlace(const at::Tensor& buffer, Sum&& sum) {
+    at::Tensor staged = stage(buffer);
+    divideBySize(staged);
+    std::vector<at::Tensor> tensors{staged};
+    issue(sum(tensors), {staged});
+    if (!staged.is_same(buffer)) then_.push_back([staged, buffer]() { buffer.copy_(staged); });
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -296,13 +296,12 @@ def _save_body(ctx, root, name, stage, k):
     engine.destroy()
 
 
-def _load_body(ctx, root, name, stage, k, m):
-    engine = _engine(ctx, name, stage, seed=999, scheduler="step")
-    engine.load_checkpoint(root)
-    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=False)
-    # Loading copies: exactly the saved values, whatever the new partitioning.
-    _assert_bitwise(_state(engine), expected["state"], "parameters after loading")
-    _assert_bitwise(_full_optimizer_state(engine), expected["opt"], "optimizer state after loading")
+def assert_resumed(engine, ctx, name, expected, k, m, what=""):
+    """``engine`` just loaded the checkpoint whose state after ``k`` steps is ``expected`` (the
+    saving run's losses, parameters, optimizer state, learning rate): it holds exactly the saved
+    values, whatever the new partitioning, and ``m`` more steps continue single-process training."""
+    _assert_bitwise(_state(engine), expected["state"], f"{what}parameters after loading")
+    _assert_bitwise(_full_optimizer_state(engine), expected["opt"], f"{what}optimizer state after loading")
     assert engine.get_lr() == expected["lr"] and engine.global_steps == k
     losses = expected["losses"] + _train(engine, ctx, name, m)
     ref_losses, ref_state = _reference(name, k + m, ctx.device)
@@ -310,6 +309,13 @@ def _load_body(ctx, root, name, stage, k, m):
     state = engine.full_state_dict(all_ranks=True)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key].float(), value.float(), **CROSS_TOL, msg=lambda msg: f"{key}: {msg}")
+
+
+def _load_body(ctx, root, name, stage, k, m):
+    engine = _engine(ctx, name, stage, seed=999, scheduler="step")
+    engine.load_checkpoint(root)
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=False)
+    assert_resumed(engine, ctx, name, expected, k, m)
     engine.destroy()
 
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from _harness.multiproc import require_world_size, run_distributed
-from test_checkpoint import (CROSS_TOL, TIMEOUT, _assert_bitwise, _full_optimizer_state, _model, _reference, _state,
-                             _train)
+from test_checkpoint import TIMEOUT, _full_optimizer_state, _model, _state, _train, assert_resumed
 from _harness.parity_cases import make_optimizer
 
 SAVED_STEPS, MORE_STEPS = 3, 2
@@ -80,15 +79,7 @@ def _load_body(ctx, root):
         assert not engine.topology.hybrid
         engine.load_checkpoint(os.path.join(root, f"zero{stage}"))
         expected = torch.load(os.path.join(root, f"expected{stage}.pt"), weights_only=False)
-        _assert_bitwise(_state(engine), expected["state"], f"ZeRO-{stage} parameters after loading")
-        _assert_bitwise(_full_optimizer_state(engine), expected["opt"], f"ZeRO-{stage} optimizer state after loading")
-        assert engine.get_lr() == expected["lr"] and engine.global_steps == SAVED_STEPS
-        losses = expected["losses"] + _train(engine, ctx, "mlp", MORE_STEPS)
-        ref_losses, ref_state = _reference("mlp", SAVED_STEPS + MORE_STEPS, ctx.device)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **CROSS_TOL)
-        state = engine.full_state_dict(all_ranks=True)
-        for key, value in ref_state.items():
-            torch.testing.assert_close(state[key].float(), value.float(), **CROSS_TOL, msg=lambda m: f"{key}: {m}")
+        assert_resumed(engine, ctx, "mlp", expected, SAVED_STEPS, MORE_STEPS, f"ZeRO-{stage} ")
         engine.destroy()
 
 

@@ -14,6 +14,18 @@ namespace {
 // Reductions driven through a runtime, so gradients arrive the way reduce_grad hands them over.
 struct Reduction : RuntimeFixture {};
 
+// ZeRO-1/2 parameter 3: 5 elements at [1, 6) of a group split into partitions of 3 over 2 ranks
+// (rank 0 owns [0, 2) of it, rank 1 [2, 5)), with a gradient target of what this rank owns.
+DSParam ownedRangeParam(int64_t owned_numel) {
+  Z12Layout layout;
+  layout.param = at::zeros({5});
+  layout.group_offset = 1;
+  layout.partition_numel = 3;
+  DSParam p(3, {5}, 2, std::move(layout));
+  p.grad_target = at::empty({owned_numel});
+  return p;
+}
+
 }  // namespace
 
 TEST_F(Reduction, Zero3ReduceOverflowsBucketsAndZeroesPadding) {
@@ -91,13 +103,7 @@ TEST(GradReducer, ReducesReplicatedParamsToTheirOwnersWithoutARuntime) {
   auto lanes = makeHostLanes();
   MirrorCommunicator comm(/*rank=*/0, /*world=*/2);
   GradReducer reducer(registry, *lanes, comm, /*bucket_size=*/16, /*double_buffer=*/true);
-  Z12Layout layout;
-  layout.param = at::zeros({5});
-  layout.group_offset = 1;  // [1, 6) of a group split into partitions of 3: rank 0 owns [0, 2)
-  layout.partition_numel = 3;
-  DSParam p(3, {5}, 2, std::move(layout));
-  p.grad_target = at::empty({2});
-  registry.add(p);
+  registry.add(ownedRangeParam(2));  // rank 0 owns [0, 2)
   reducer.enqueue(registry.get(3), at::arange(5, at::kFloat));
   EXPECT_EQ(reducer.pendingTasks(), 1u);
   reducer.flushAll();
@@ -144,13 +150,7 @@ TEST(GradReducer, HybridZero12AllReducesOnlyTheOwnedPieces) {
   MirrorCommunicator comm(/*rank=*/1, /*world=*/2);
   MirrorCommunicator replicas(/*rank=*/1, /*world=*/3);
   GradReducer reducer(registry, *lanes, comm, /*bucket_size=*/16, /*double_buffer=*/true, &replicas);
-  Z12Layout layout;
-  layout.param = at::zeros({5});
-  layout.group_offset = 1;  // [1, 6) of a group split into partitions of 3: rank 1 owns [2, 5)
-  layout.partition_numel = 3;
-  DSParam p(3, {5}, 2, std::move(layout));
-  p.grad_target = at::empty({3});
-  registry.add(p);
+  registry.add(ownedRangeParam(3));  // rank 1 owns [2, 5)
   reducer.enqueue(registry.get(3), at::arange(5, at::kFloat));
   reducer.flushAll();
   EXPECT_EQ(comm.roots, (std::vector<int>{0, 1}));
