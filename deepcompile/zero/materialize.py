@@ -237,7 +237,9 @@ def _parameter_value(p: nn.Parameter, device: torch.device, group, init_fn, meta
                      unset: Materialized, first_name: Dict[int, str]) -> torch.Tensor:
     preset = p.__dict__.pop(PRESET_VALUE, None)  # popped: _install copies the attributes over
     if init_fn is None and preset is not None:
-        return preset.full(device)
+        # In the parameter's dtype: the engine may have cast the meta parameter to the training
+        # dtype (bf16/fp16) after the preset was taken in the dtype the model was built in.
+        return preset.full(device).to(p.dtype)
     if init_fn is not None or meta_on_rank0:
         if init_fn is None:
             unset.unset_params.append(first_name[id(p)])
