@@ -10,6 +10,7 @@ whose hooks it calls at fixed points of the loop, in the order ``parts.build_par
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Dict, List, Optional, Union
 
@@ -35,6 +36,7 @@ from deepcompile.zero.sharding import Sharding
 from deepcompile.zero.stage3 import Zero3Sharding
 from deepcompile.zero.stage12 import Zero12Sharding
 from deepcompile.zero.links import LinkReport
+from deepcompile.zero.sizes import SizesReport
 from deepcompile.zero.topology import ShardTopology, topology_for
 
 
@@ -62,6 +64,25 @@ def _make_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, config: C
                           init_group=init_group)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledAs:
+    """How the engine was compiled (``engine.compile``'s arguments): what the run summary says
+    and what a second ``compile()`` with the same arguments is compared with."""
+    backend: str
+    regional: Any
+    torch_compile_kwargs: Dict[str, Any]
+
+    def describe(self) -> str:
+        if self.regional is False:
+            where = "whole model"
+        elif self.regional is True:
+            where = "per layer"
+        else:
+            where = "per layer: " + ", ".join(sorted(getattr(c, "__name__", str(c)) for c in self.regional))
+        extra = "".join(f", {k}={v}" for k, v in sorted(self.torch_compile_kwargs.items()))
+        return f"compiled ({self.backend}, {where}{extra})"
+
+
 def _listed(names: List[str], limit: int = 6) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -70,7 +91,8 @@ def _listed(names: List[str], limit: int = 6) -> str:
 class Engine:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Config,
                  lr_scheduler: Any = None, model_parameters: Any = None, init_fn: Optional[InitFn] = None,
-                 device: Union[str, torch.device, None] = None, shard_group_size: Optional[int] = None):
+                 device: Union[str, torch.device, None] = None, shard_group_size: Optional[int] = None,
+                 compile_by_default: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("deepcompile.initialize needs torch.distributed to be initialized first")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -145,12 +167,26 @@ class Engine:
             loss_scaling=self.precision.loss_scaling is not None)
         self._at = hooks_at(self.parts)
         # Each adds its section, if it has one; the links section names each collective's communicator.
-        self.scheduler.report.contributors = list(self.parts) + [LinkReport(self.topology, self.stage)]
+        # The sizes section says what DeepSpeed's size keys (often Trainer-filled "auto") became.
+        self.scheduler.report.contributors = list(self.parts) + [LinkReport(self.topology, self.stage),
+                                                                 self._sizes_report()]
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
+        self.compiled_as: Optional[CompiledAs] = None  # the arguments of the last compile(); None: eager
         self._first_runs = progress.FirstRuns(show=self.rank == 0)  # compiles are lazy: say when they run
+        # compile.auto_compile: null follows the entry point (the served deepspeed.initialize
+        # compiles, deepcompile.initialize leaves it to engine.compile()). Compiling is lazy: a
+        # later engine.compile() with other arguments replaces this before anything is traced.
+        auto = config.compile.auto_compile
+        if compile_by_default if auto is None else auto:
+            self.compile(config.compile.backend)
+
+    def _sizes_report(self) -> SizesReport:
+        persistent = self.sharding.persistent_ids()
+        numel = sum(sp.numel for sp in getattr(self.sharding, "params", []) if sp.ds_id in set(persistent))
+        return SizesReport(self.config.zero_optimization, self.stage, persistent, numel)
 
     def compile(self, backend: str = "inductor", regional: Any = False, **torch_compile_kwargs: Any) -> "Engine":
         """Compile the model with deepcompile's backend around ``backend`` ("inductor" or "eager").
@@ -160,6 +196,7 @@ class Engine:
         layers share one compiled graph (compiler/regions.py); the rest of the model runs
         eagerly. ``torch_compile_kwargs`` go to ``torch.compile``."""
         self._compiled = self.compiled_module.compile(backend, regional=regional, **torch_compile_kwargs)
+        self.compiled_as = CompiledAs(backend, regional, dict(torch_compile_kwargs))
         return self
 
     # ---- training loop ------------------------------------------------------------------------

@@ -9,6 +9,11 @@ config's stage3_gather_16bit_weights_on_model_save) for ``from_pretrained``. Wit
 it is the same run without DeepSpeed (the tests' single-process reference). --mics-shard-size S
 turns on hybrid sharding (partitions over groups of S ranks, replicated across the groups). With
 --out, rank 0 writes the log history and evaluation metrics to a JSON file.
+
+deepcompile compiles the engine whether or not Trainer's torch_compile is set (the config's
+compile.auto_compile; --no-auto-compile turns it off), and logs once on rank 0 what runs: stage,
+dtypes, offload and how it is compiled. --bf16/--fp16 train in that precision (the config's
+"auto" follows them), on the CPU too.
 """
 
 import deepcompile
@@ -20,10 +25,11 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_tiny import CausalLMRows, build_model, token_rows  # noqa: E402
+from hf_tiny import CausalLMRows, build_model, tiny_llama_config, token_rows  # noqa: E402
 
 
 def main() -> None:
@@ -42,18 +48,35 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters (q_proj, v_proj) instead of the model")
     p.add_argument("--eval-only", action="store_true", help="only evaluate (ZeRO inference), no training")
     p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (the config's fp16 \"auto\" follows it)")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the config's bf16 \"auto\" follows it)")
+    p.add_argument("--from-config", action="store_true",
+                   help="build the tiny Llama with AutoModelForCausalLM.from_config (under ZeRO-3: inside zero.Init)")
+    p.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--compile-backend", choices=["inductor", "eager"],
+                   help="compile.backend in the --deepspeed config: the compiler deepcompile hands its graphs to "
+                        "(eager: no code generation, quick on a CPU)")
+    p.add_argument("--no-auto-compile", action="store_true",
+                   help="compile.auto_compile false in the --deepspeed config: the engine runs uncompiled")
     p.add_argument("--mics-shard-size", type=int,
                    help="hybrid sharding: partition over groups of this many ranks, replicated across the groups "
                         "(sets zero_optimization.mics_shard_size in the --deepspeed config)")
     p.add_argument("--out")
     args = p.parse_args()
 
+    edits = {}
     if args.mics_shard_size is not None:
+        edits[("zero_optimization", "mics_shard_size")] = args.mics_shard_size
+    if args.compile_backend:
+        edits[("compile", "backend")] = args.compile_backend
+    if args.no_auto_compile:
+        edits[("compile", "auto_compile")] = False
+    if edits:
         if not args.deepspeed:
-            p.error("--mics-shard-size needs --deepspeed")
+            p.error("--mics-shard-size, --compile-backend and --no-auto-compile need --deepspeed")
         with open(args.deepspeed) as f:
             args.deepspeed = json.load(f)  # Trainer takes the config as a dict as well as a file
-        args.deepspeed.setdefault("zero_optimization", {})["mics_shard_size"] = args.mics_shard_size
+        for (section, key), value in edits.items():
+            args.deepspeed.setdefault(section, {})[key] = value
 
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -75,10 +98,21 @@ def main() -> None:
         disable_tqdm=True,
         gradient_checkpointing=args.gradient_checkpointing,
         fp16=args.fp16,
+        bf16=args.bf16,
+        torch_compile=args.torch_compile,
+        torch_compile_backend=args.compile_backend if args.torch_compile else None,
+        # Trainer refuses bf16 on a machine without a GPU unless it is told to train on the CPU.
+        use_cpu=args.bf16 and not torch.cuda.is_available(),
     )
     # After TrainingArguments, as in transformers' examples: under ZeRO-3, from_pretrained then
     # builds the model inside deepspeed.zero.Init.
-    model = AutoModelForCausalLM.from_pretrained(args.model_path) if args.model_path else build_model(seed=0, arch=args.arch)
+    if args.model_path:
+        model = AutoModelForCausalLM.from_pretrained(args.model_path)
+    elif args.from_config:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    else:
+        model = build_model(seed=0, arch=args.arch)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 

@@ -126,6 +126,11 @@ class CompiledModule:
         return self._backends[inner]
 
     @property
+    def regions(self) -> List[nn.Module]:
+        """The blocks compiled in place by regional compilation ([] for a whole-module compile)."""
+        return list(self._regions)
+
+    @property
     def has_backends(self) -> bool:
         """True while a backend of the current plan exists: only graphs compiled by one can be
         profiled."""

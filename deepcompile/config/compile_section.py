@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 
 from deepcompile.config.errors import show
 from deepcompile.config.schema import Section, fixed_key, key, off_only_key
-from deepcompile.config.validators import boolean, check_keys, integer, number, optional, string
+from deepcompile.config.validators import boolean, check_keys, choice, integer, number, optional, string
 
 # The optional ZeRO-3 passes a schedule can name (deepcompile/scheduling/schedule.py runs them).
 PASS_NAMES = ("prefetch", "selective_gather")
@@ -48,6 +48,17 @@ def _schedule(value: Any, dotted: str):
 class CompileConfig(Section):
     _path = "compile"
     deepcompile: bool = fixed_key("compile.deepcompile")
+    # deepcompile's own: whether the engine compiles itself, and with which inner compiler
+    auto_compile: Optional[bool] = key(
+        optional(boolean), None, "Compile the engine at initialize, through deepcompile's passes with compile.backend. "
+        "null (default): yes for deepspeed.initialize as served by deepcompile.serve_as_deepspeed() (HF Trainer, "
+        "accelerate: whether or not the script sets torch_compile; their torch.compile settings only choose the "
+        "backend and per-layer graphs), no for deepcompile.initialize (compiled by engine.compile()). false: the "
+        "engine runs uncompiled (eager ZeRO hooks) until engine.compile() is called.")
+    backend: str = key(choice("inductor", "eager"), "inductor",
+                       "The compiler deepcompile's passes hand each graph to when the engine compiles itself "
+                       "(compile.auto_compile): Inductor, or 'eager' (the FX graph runs as traced, no code "
+                       "generation: fast to compile, e.g. on CPU).")
     free_activation: bool = key(boolean, False, "Free saved activations in the backward right after their last use "
                                 "(compiled graphs, every backend and stage).")
     free_activation_threshold: int = key(integer(0), 10 * 1024 * 1024,

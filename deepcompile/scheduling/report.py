@@ -29,6 +29,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from deepcompile.profiling.graph_profiler import GraphProfile
+from deepcompile.zero.sizes import size_lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +267,7 @@ def format_schedule_report(r: Dict[str, Any], verify_plan: bool = True) -> str:
     if "offload_plan" in r:
         offload += _joint_lines(r["offload_plan"])
     offload += _link_lines(r.get("links", {}))
+    offload += size_lines(r.get("sizes", {}))
     if "step" not in r:
         return "\n".join(["deepcompile schedule: no switch yet"] + offload)
     lines = [f"deepcompile schedule at optimizer step {r['step']}: {r['entry']}, budget {_mib(r['budget_bytes'])}"]

@@ -12,6 +12,13 @@ Every rank writes ``P.rank<r>.json``:
 * ``scales``: per optimizer step, the loss scale, ``optimizer.overflow``, a checksum of this
   rank's parameter values after the step (what a skipped step leaves unchanged) and the step's
   bytes per link (``step_report.comm_bytes``);
+* ``precision``: what the run computed in: the dtypes of every ``linear`` of the graphs deepcompile's
+  backend compiled (weight, input, output), of the ``nn.Linear`` calls that ran eagerly
+  (uncompiled), what ZeRO-3's gathers return, the master shards and the gradient partitions the
+  reductions fill (at each optimizer step);
+* ``compile_calls``: the engine's ``compile()`` calls after ``initialize`` returned (accelerate's
+  ``engine.compile`` under ``torch_compile`` must not compile a second time), whether the engine
+  was compiled, and the run summary line it logged;
 * with ``--poison-step N``: on rank R, the gradient of the embedding output at training
   micro-step N (counted from 0) holds an inf, so that step overflows on that rank only.
 
@@ -51,6 +58,51 @@ def _held(model: torch.nn.Module) -> dict:
     return params
 
 
+def _spy_compiled_linears(record: dict) -> None:
+    """Record the dtypes of every linear in the graphs deepcompile's backend is handed."""
+    from deepcompile.compiler.backend import DeepCompileBackend
+
+    linears = (torch._C._nn.linear, torch.nn.functional.linear)
+    real_call = DeepCompileBackend.__call__
+
+    def spy(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in linears:
+                values = [a.meta["example_value"] for a in node.args[:2]] + [node.meta["example_value"]]
+                record.setdefault("compiled_linears", []).append([str(v.dtype) for v in values])
+        return real_call(self, gm, example_inputs)
+
+    DeepCompileBackend.__call__ = spy
+
+
+def _spy_eager_linears(model: torch.nn.Module, record: dict) -> None:
+    """Record the dtypes of ``nn.Linear`` calls that run eagerly in training (not traced)."""
+    def hook(module, inputs, out):
+        if module.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            seen = record.setdefault("eager_linears", [])
+            entry = [str(module.weight.dtype), str(inputs[0].dtype), str(out.dtype)]
+            if entry not in seen:
+                seen.append(entry)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(hook)
+
+
+def _state_dtypes(engine, record: dict) -> None:
+    """What ZeRO-3's gathers return, the masters and the gradient partitions hold (this step)."""
+    from deepcompile import runtime
+
+    sharding = engine.engine.sharding
+    params = getattr(sharding, "params", [])
+    precision = record.setdefault("precision", {})
+    precision.setdefault("gather", sorted({str(runtime.gather_dtype(sp.ds_id)) for sp in params}))
+    precision.setdefault("masters", sorted({str(sp.master.dtype) for sp in params if sp.master is not None}))
+    grads = {str(runtime.grad_target(sp.ds_id).dtype) for sp in params
+             if sp.trainable and runtime.grad_target(sp.ds_id) is not None}
+    precision["grad_partitions"] = sorted(set(precision.get("grad_partitions", [])) | grads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--probe-out", required=True)
@@ -61,12 +113,14 @@ def main() -> None:
         cut = ours.index("--")
         ours, rest = ours[:cut], ours[cut + 1:]
     args = parser.parse_args(ours)
-    record: dict = {"scales": []}
+    record: dict = {"scales": [], "compile_calls": 0}
     real_initialize = deepspeed.initialize
+    _spy_compiled_linears(record)
 
     def initialize(*a, **kw):
         model = kw.get("model")
         record["at_initialize"] = _held(model)
+        _spy_eager_linears(model, record)
         if args.poison_step >= 0:
             micro = {"n": 0}
 
@@ -85,8 +139,20 @@ def main() -> None:
         record["topology"] = {"hybrid": topology.hybrid, "shard_size": topology.shard_size,
                               "replicas": topology.replicas}
         real_step = engine.step
+        real_compile = engine.engine.compile
+
+        def compile_spy(*ca, **ckw):
+            record["compile_calls"] += 1
+            return real_compile(*ca, **ckw)
+
+        engine.engine.compile = compile_spy
+        record["compiled_at_initialize"] = engine.engine.compiled_as is not None
 
         def step(*sa, **skw):
+            if engine.engine.stage == 3:
+                _state_dtypes(engine, record)
+            record["summary"] = engine.summary_line
+            record["compiled"] = engine.engine.compiled_as is not None and engine.engine.compiled_as.describe()
             before = (engine.global_steps, engine.skipped_steps)
             real_step(*sa, **skw)
             if (engine.global_steps, engine.skipped_steps) != before:  # an optimizer step, applied or skipped

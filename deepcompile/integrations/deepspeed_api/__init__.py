@@ -66,7 +66,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     inference = optimizer is None and model_parameters is None and lr_scheduler is None and config.optimizer is None
     if inference:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine = BoundaryEngine(model, optimizer, config, lr_scheduler=lr_scheduler, model_parameters=model_parameters)
+    # Compiled by default (compile.auto_compile): a script switched to deepcompile runs the
+    # compiled, scheduled step whether or not it asked for torch.compile.
+    engine = BoundaryEngine(model, optimizer, config, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
+                            compile_by_default=not inference)
     raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else config.to_dict()
     wrapped = DeepSpeedEngine(engine, raw, inference_only=inference)
     return wrapped, None if inference else wrapped.optimizer, None, engine.lr_scheduler

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from deepcompile.engine import Engine
+from deepcompile.engine import CompiledAs, Engine
+from deepcompile.integrations.deepspeed_api import run_summary
 from deepcompile.integrations.deepspeed_api._missing import missing
 
 
@@ -80,12 +81,26 @@ class DeepSpeedEngine(nn.Module):
         self.module = engine.module
         self.config = config  # the dict as given (Trainer reads config["zero_optimization"]["stage"])
         self._optimizer_view = OptimizerView(engine)
+        self._backend_asked: Optional[str] = None  # compile(backend=...) of the caller (accelerate)
         self._advanced_in_backward = False
+        self._summarized = False
+        self.summary_line: Optional[str] = None  # what runs, said once at the first training forward
+
+    def _first_training_forward(self) -> None:
+        """Before the first training forward: take over per-layer compilation that accelerate did
+        around the engine, then say once what runs."""
+        self._summarized = True
+        regional = run_summary.take_over_regional_compile(self.module, self.engine)
+        if regional:
+            self.engine.compile(self._backend_asked or self.engine.config.compile.backend, regional=regional)
+        self.summary_line = run_summary.log_once(self.engine)
 
     # ---- training -----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
+            if not self._summarized:
+                self._first_training_forward()
             return self.engine(*args, **kwargs)
         # Evaluation: no backward follows, so none of the engine's micro-step accounting applies;
         # the model's ZeRO hooks gather what it uses.
@@ -136,8 +151,14 @@ class DeepSpeedEngine(nn.Module):
         ``"compile": {"deepcompile": true}`` plus this call)."""
         if schedule is not None:
             raise missing("DeepSpeedEngine.compile(schedule=...) (deepcompile schedules from compile.* keys)")
-        name = backend if isinstance(backend, str) and backend else "inductor"
-        self.engine.compile(name.lower(), **dict(compile_kwargs or {}), **kwargs)
+        name = (backend if isinstance(backend, str) and backend else self.engine.config.compile.backend).lower()
+        self._backend_asked = name
+        asked = CompiledAs(name, False, {**dict(compile_kwargs or {}), **kwargs})
+        if self.engine.compiled_as == asked:
+            # The engine compiled itself at initialize (compile.auto_compile) with these very
+            # arguments: compiling again would only wrap the module a second time.
+            return
+        self.engine.compile(name, **asked.torch_compile_kwargs)
 
     def destroy(self) -> None:
         self.engine.destroy()
