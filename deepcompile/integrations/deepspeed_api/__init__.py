@@ -15,6 +15,8 @@ import torch
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
 from deepcompile.integrations.deepspeed_api import zero_init
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.integrations.deepspeed_api.accelerator import get_accelerator  # noqa: F401
+from deepcompile.integrations.deepspeed_api.arguments import add_config_arguments  # noqa: F401
 from deepcompile.integrations.deepspeed_api.comm import init_distributed
 from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSpeedEngine
 

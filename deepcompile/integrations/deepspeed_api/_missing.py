@@ -24,3 +24,13 @@ def module_getattr(module_name: str):
         raise missing(f"{module_name}.{name}")
 
     return __getattr__
+
+
+class RefusedByDeepcompile(NotImplementedError):
+    pass
+
+
+def refused(what: str, instead: str) -> RefusedByDeepcompile:
+    """For a name that must import (a client imports it before knowing whether it will use it)
+    but cannot do its work here: raised when it is called or constructed, saying what to use."""
+    return RefusedByDeepcompile(f"deepcompile does not implement {what}; {instead}")

@@ -23,6 +23,19 @@ barrier = dist.barrier
 all_reduce = dist.all_reduce
 broadcast = dist.broadcast
 all_gather = dist.all_gather
+# The rest of what training scripts call (DeepSpeed-Chat, OpenRLHF, open-instruct): the same
+# signatures as torch.distributed's, which DeepSpeed's wrappers forward to.
+all_gather_into_tensor = dist.all_gather_into_tensor
+reduce_scatter_tensor = dist.reduce_scatter_tensor
+all_to_all_single = dist.all_to_all_single
+broadcast_object_list = dist.broadcast_object_list
+send = dist.send
+recv = dist.recv
+isend = dist.isend
+irecv = dist.irecv
+new_group = dist.new_group
+get_global_rank = dist.get_global_rank
+destroy_process_group = dist.destroy_process_group
 
 
 def get_local_rank() -> int:

@@ -1,7 +1,8 @@
-"""``deepspeed.runtime``: ``lr_schedules`` (accelerate reads its list of schedule names) and
-``zero.partition_parameters`` (transformers' zero.Init helper)."""
+"""``deepspeed.runtime``: ``lr_schedules`` (accelerate reads its list of schedule names),
+``zero.partition_parameters`` (transformers' zero.Init helper), and the modules clients import
+classes from: ``engine``, ``base_optimizer``, ``fp16.onebit``."""
 
 from deepcompile.integrations.deepspeed_api._missing import module_getattr
-from deepcompile.integrations.deepspeed_api.runtime import lr_schedules, zero  # noqa: F401
+from deepcompile.integrations.deepspeed_api.runtime import base_optimizer, engine, fp16, lr_schedules, zero  # noqa: F401
 
 __getattr__ = module_getattr("deepspeed.runtime")
