@@ -18,11 +18,13 @@ def complete_batch_sizes(config, world_size: int) -> Dict[str, Optional[int]]:
     tbs, micro, gas = (getattr(config, name) for name in _NAMES)
     autos = [k for k in _NAMES if is_auto(getattr(config, k))]
     if len(autos) > 1:
-        raise ConfigError([(k, f"{k} is \"auto\" and so is {' and '.join(a for a in autos if a != k)}: at most "
-                               "one of train_batch_size, train_micro_batch_size_per_gpu and "
-                               "gradient_accumulation_steps can be derived from the others (HF Trainer fills "
-                               "them from per_device_train_batch_size and gradient_accumulation_steps)")
-                           for k in autos])
+        # One message under each key (callers look problems up by key), worded the same for all so
+        # that reports listing distinct messages print it once.
+        message = (f"{', '.join(autos[:-1])} and {autos[-1]} are \"auto\": at most one of train_batch_size, "
+                   "train_micro_batch_size_per_gpu and gradient_accumulation_steps can be derived from the others "
+                   "(HF Trainer fills them from per_device_train_batch_size and gradient_accumulation_steps: "
+                   "`deepcompile check CONFIG --trainer` checks a config as Trainer hands it over)")
+        raise ConfigError([(k, message) for k in autos])
     if autos:
         name = autos[0]
         needs = {"train_batch_size": ("train_micro_batch_size_per_gpu",),

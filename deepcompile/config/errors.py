@@ -12,10 +12,12 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Sequence[Tuple[str, str]]):
         self.problems: List[Tuple[str, str]] = list(problems)
-        if len(self.problems) == 1:
-            text = self.problems[0][1]
+        # A problem of several keys is one problem under each key; the text says it once.
+        messages = list(dict.fromkeys(m for _, m in self.problems))
+        if len(messages) == 1:
+            text = messages[0]
         else:
-            text = f"{len(self.problems)} problems in the config:\n" + "\n".join(f"  - {m}" for _, m in self.problems)
+            text = f"{len(messages)} problems in the config:\n" + "\n".join(f"  - {m}" for m in messages)
         super().__init__(text)
 
     @property

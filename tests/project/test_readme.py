@@ -153,6 +153,70 @@ def test_matrix_versions_are_the_packaging_ones():
     assert f">= ({major}, {minor})" in (ROOT / "scripts" / "setup.sh").read_text()
 
 
+@pytest.mark.parametrize("package", ["transformers", "accelerate"])
+def test_matrix_hugging_face_versions_are_the_requirements_ones(package):
+    """The lowest version the table claims is the bound requirements-dev.txt and the test extra
+    declare, and the version installed here (what CI tests) meets it."""
+    from importlib.metadata import version
+
+    low = re.fullmatch(r">= (\d+\.\d+)", support_matrix()[package][0]).group(1)
+    assert f"{package}>={low}" in (ROOT / "requirements-dev.txt").read_text().splitlines()
+    assert f'"{package}>={low}"' in (ROOT / "pyproject.toml").read_text()
+
+    def parts(v):
+        return tuple(int(x) for x in re.match(r"\d+(?:\.\d+)*", v).group(0).split(".")[:2])
+
+    assert parts(version(package)) >= parts(low), f"{package} {version(package)} is older than the claimed {low}"
+
+
+# ---- the performance numbers -------------------------------------------------------------------
+
+RESULTS = (ROOT / "bench" / "RESULTS.md").read_text()
+_MEASURE = re.compile(r"\d[\d,]*(?:\.\d+)? ?(?:ms|GiB|tokens/s|x\b|s\b|B\b)")
+
+
+def performance_rows(markdown: str):
+    """(measurements, date) of each row of the Performance table: the measurements of its result
+    columns (not the GPUs column, whose "2 x" reads as a ratio, nor the command)."""
+    rows = []
+    for line in section(markdown, "Performance").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 6 or set(cells[0]) <= set("- ") or cells[0] == "model":
+            continue
+        date = re.search(r"\d{4}-\d\d-\d\d", cells[1])
+        rows.append((_MEASURE.findall(" | ".join(cells[2:-1])), date.group(0) if date else None))
+    return rows
+
+
+def stale_or_missing(markdown: str, results: str):
+    """README numbers on no row of the results page, or quoted with a date other than that row's."""
+    lines = [line for line in results.splitlines() if line.startswith("|")]
+    bad = []
+    for numbers, date in performance_rows(markdown):
+        bad += [n for n in numbers if n not in results]
+        home = [line for line in lines if numbers and numbers[0] in line]
+        if not date or not any(date in line for line in home):
+            bad.append(f"row of {numbers[:1]}: date {date} is not its results row's")
+    return bad
+
+
+def test_performance_numbers_are_the_results_pages():
+    assert len(performance_rows(README)) >= 5, "the Performance table lost its rows"
+    assert "bench/RESULTS.md" in section(README, "Performance")
+    assert not stale_or_missing(README, RESULTS)
+
+
+def test_the_performance_checker_sees_a_number_the_page_lacks():
+    row = "| 1B | 2 x H200 (2), 2026-11-24 | ZeRO-3: 73.7 ms, 12.38 GiB | FSDP2: 118.8 ms | 1.61x | `cmd` |"
+    fake = "## Performance\n\n| model | a | b | c | d | e |\n| --- | --- | --- | --- | --- | --- |\n" + row + "\n"
+    assert {"73.7 ms", "1.61x"} <= set(stale_or_missing(fake, RESULTS))
+    # A number that is on the page, quoted with an older date than its row's.
+    old = row.replace("73.7 ms, 12.38 GiB", "82.5 ms, 10.64 GiB").replace("118.8 ms", "114.2 ms").replace(
+        "1.61x", "1.38x")
+    assert stale_or_missing(fake.replace(row, old), RESULTS) == ["row of ['82.5 ms']: date 2026-11-24 is not its "
+                                                                 "results row's"]
+
+
 # ---- the APIs the documents name ---------------------------------------------------------------
 
 
