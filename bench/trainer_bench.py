@@ -83,6 +83,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="measured optimizer steps")
     p.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
                    help="the compiler of every compiled row (eager: CPU smoke runs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a key of the DeepSpeed config every row gets (dotted, JSON value), e.g. "
+                        "zero_optimization.reduce_bucket_size=50000000; repeatable")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--row-timeout", type=float, default=400)
     p.add_argument("--json")
@@ -108,6 +111,13 @@ def _ds_config(args: argparse.Namespace, extra_compile: Dict[str, Any], engine: 
     if args.precision == "fp16":
         config.pop("bf16", None)
         config["fp16"] = {"enabled": "auto"}
+    for item in args.set:
+        dotted, _, raw = item.partition("=")
+        *sections, key = dotted.split(".")
+        node = config
+        for name in sections:
+            node = node.setdefault(name, {})
+        node[key] = json.loads(raw)
     return config
 
 
@@ -323,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = [run_row(args, argv, key) for key in args.rows.split(",")]
     header = (f"{args.preset} Llama, {args.precision}, micro-batch {args.micro_batch} x seq {args.seq} per rank, "
               f"accumulation {args.accumulation}, {args.nproc} ranks, {args.warmup} warm-up + {args.steps} measured "
-              f"steps, compiled rows: {args.backend}")
+              f"steps, compiled rows: {args.backend}" + "".join(f", {item}" for item in args.set))
     text = header + "\n\n" + table(rows)
     for r in rows:
         if r.get("summary"):

@@ -25,6 +25,13 @@ timeout "$(left)" python3 bench/trainer_bench.py --nproc "${TB_NPROC:-2}" --rows
   --row-timeout "${ROW_TIMEOUT:-330}" ${TB_ARGS:-} --json "$OUT/trainer.json" --markdown "$OUT/trainer.md" \
   > "$OUT/trainer.log" 2>&1
 echo "trainer_bench rc=$? after $((SECONDS - start)) s"
+if [ -n "${TB_ARGS2:-}" ]; then  # a second table in the same call (e.g. other --set values)
+  timeout "$(left)" python3 bench/trainer_bench.py --nproc "${TB_NPROC:-2}" --rows "${TB_ROWS2:-dc}" \
+    --preset "${TB_PRESET:-1b}" --warmup "${TB_WARMUP:-10}" --steps "${TB_STEPS:-30}" \
+    --row-timeout "${ROW_TIMEOUT:-330}" $TB_ARGS2 --json "$OUT/trainer2.json" --markdown "$OUT/trainer2.md" \
+    > "$OUT/trainer2.log" 2>&1
+  echo "trainer_bench (2) rc=$? after $((SECONDS - start)) s"; cat "$OUT/trainer2.md" 2>/dev/null
+fi
 if [ -n "${ENGINE_ROW:-}" ]; then
   timeout "$(left)" python3 bench/train_bench.py --isolate --nproc "${TB_NPROC:-2}" --methods z3-auto \
     --warmup "${TB_WARMUP:-10}" --steps "${TB_STEPS:-30}" --row-timeout 200 --json "$OUT/engine.json" \

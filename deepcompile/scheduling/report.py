@@ -29,7 +29,6 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from deepcompile.profiling.graph_profiler import GraphProfile
-from deepcompile.zero.sizes import size_lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +49,11 @@ def _mib(n: Optional[int]) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def size_lines(sizes: Dict[str, Any]) -> List[str]:
+    """The ``sizes`` section (zero/sizes.py): each DeepSpeed size key and what it became."""
+    return [f"{key} {entry['elements']:,}: {entry['became']}" for key, entry in sizes.items()]
 
 
 def _offload_lines(o: Dict[str, Any]) -> List[str]:

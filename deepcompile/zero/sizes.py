@@ -53,7 +53,3 @@ class SizesReport:
     def report(self, into: Dict[str, Any]) -> None:
         into["sizes"] = self.sizes()
 
-
-def size_lines(sizes: Dict[str, Any]) -> List[str]:
-    """The text form of the ``sizes`` section."""
-    return [f"{key} {entry['elements']:,}: {entry['became']}" for key, entry in sizes.items()]

@@ -147,6 +147,10 @@ def main() -> None:
 
         engine.engine.compile = compile_spy
         record["compiled_at_initialize"] = engine.engine.compiled_as is not None
+        record["reduce_bucket_size"] = engine.engine.config.zero_optimization.reduce_bucket_size
+        record["given_reduce_bucket_size"] = engine.config["zero_optimization"]["reduce_bucket_size"]
+        record["block_numel"] = max(sum(p.numel() for p in layer.parameters())
+                                    for layer in engine.module.model.layers)
 
         def step(*sa, **skw):
             if engine.engine.stage == 3:

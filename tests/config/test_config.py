@@ -688,6 +688,48 @@ def test_auto_bucket_sizes_follow_the_hidden_size():
     assert c.resolve(2, m).zero_optimization.reduce_bucket_size == 32 * 32
 
 
+def test_auto_reduce_bucket_is_one_repeated_block():
+    """reduce_bucket_size "auto": the largest block of the classes _no_split_modules names, at
+    least hidden_size**2, at most the default (config/auto.py says why)."""
+    c = Config.from_any({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+
+    class Block(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n), requires_grad=False)
+
+    def model(block, hidden, names=("Block",)):
+        m = torch.nn.Sequential(Block(block), Block(block // 2), torch.nn.Linear(2, 2))
+        m._no_split_modules = list(names)
+        m.config = type("Cfg", (), {"hidden_size": hidden})()
+        return m
+
+    assert c.resolve(2, model(5000, 24)).zero_optimization.reduce_bucket_size == 5000
+    assert c.resolve(2, model(100, 24)).zero_optimization.reduce_bucket_size == 24 * 24  # h**2 is the floor
+    assert c.resolve(2, model(5000, 24, names=())).zero_optimization.reduce_bucket_size == 24 * 24
+    assert c.resolve(2, model(5000, 24, names=("Other",))).zero_optimization.reduce_bucket_size == 24 * 24
+    big = model(10, 24)
+    big.config.hidden_size = 10**5  # h**2 = 1e10 > the default
+    assert c.resolve(2, big).zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_served_initialize_hands_a_trainer_filled_reduce_bucket_back_to_auto():
+    from types import SimpleNamespace
+
+    from deepcompile.integrations.deepspeed_api import filled_sizes
+
+    m = SimpleNamespace(config=SimpleNamespace(hidden_size=64))
+    given = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686}}
+    out, keys = filled_sizes.unfill(given, m)
+    assert keys == ["zero_optimization.reduce_bucket_size"] and out["zero_optimization"]["reduce_bucket_size"] == "auto"
+    assert given["zero_optimization"]["reduce_bucket_size"] == 4096  # the caller's dict is untouched
+    assert out["zero_optimization"]["stage3_prefetch_bucket_size"] == 3686
+    for value in (4095, 5e8, "auto", True):  # anything but hidden_size**2 is the user's and kept
+        same, keys = filled_sizes.unfill({"zero_optimization": {"reduce_bucket_size": value}}, m)
+        assert keys == [] and same["zero_optimization"]["reduce_bucket_size"] == value
+    assert filled_sizes.unfill(given, SimpleNamespace())[1] == []  # no hidden size: nothing to recognise
+
+
 def test_auto_precision_follows_the_model_dtype(monkeypatch):
     from deepcompile.config import features
 

@@ -56,6 +56,10 @@ def test_trainer_bf16_from_config_is_compiled_once_and_computes_in_bf16(tmp_path
         assert probe["compiled_linears"] and all(d == BF16 for d in probe["compiled_linears"]), probe["compiled_linears"]
         assert "eager_linears" not in probe, probe.get("eager_linears")
         _assert_zero3_state(probe)
+        # Trainer filled reduce_bucket_size with hidden_size**2 (32**2 here); the served initialize
+        # resolved that "auto" as deepcompile does: one decoder layer's elements.
+        assert probe["given_reduce_bucket_size"] == 32 * 32
+        assert probe["reduce_bucket_size"] == probe["block_numel"] > 32 * 32, probe
     summary = probes[0]["summary"]
     assert summary.startswith("deepcompile engine: ZeRO-3 over 2 ranks; compute in bfloat16, fp32 master weights"), summary
     assert "gradients reduced in float32" in summary and "compiled (eager, whole model)" in summary, summary

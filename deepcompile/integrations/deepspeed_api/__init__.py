@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
-from deepcompile.integrations.deepspeed_api import zero_init
+from deepcompile.integrations.deepspeed_api import filled_sizes, zero_init
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.accelerator import get_accelerator  # noqa: F401
 from deepcompile.integrations.deepspeed_api.arguments import add_config_arguments  # noqa: F401
@@ -61,7 +61,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                          "those written under zero.GatheredParameters(..., modifier_rank=...))")
     from deepcompile.config import Config
 
-    config = Config.from_any(cfg)
+    # A reduce_bucket_size Trainer/accelerate filled for "auto" goes back to deepcompile's own "auto".
+    engine_cfg, unfilled = filled_sizes.unfill(cfg, model) if isinstance(cfg, dict) else (cfg, [])
+    config = Config.from_any(engine_cfg)
     # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
     # deepcompile's engine partitions through an optimizer, so it gets one that never steps (SGD
     # at lr 0 keeps no state); the served engine refuses backward and step.
@@ -72,6 +74,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # compiled, scheduled step whether or not it asked for torch.compile.
     engine = BoundaryEngine(model, optimizer, config, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
                             compile_by_default=not inference)
+    filled_sizes.say_unfilled(unfilled, engine.config, engine.rank)
     raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else config.to_dict()
     wrapped = DeepSpeedEngine(engine, raw, inference_only=inference)
     return wrapped, None if inference else wrapped.optimizer, None, engine.lr_scheduler
