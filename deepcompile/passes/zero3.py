@@ -33,6 +33,7 @@ from deepcompile.passes.graph_utils import (
     first_library_call_reading,
     first_user,
     gather_point,
+    is_alias_op,
     is_cast_op,
     is_library_call,
     last_user,
@@ -61,13 +62,44 @@ def _fused_cast_dtype(param: Node) -> Optional[torch.dtype]:
 
 def _anchor_after(reader: Node) -> Optional[Node]:
     """The node whose output a release after ``reader`` takes: ``reader``'s own tensor result,
-    or, when ``reader`` is pointwise, that of the first library call reading its result."""
+    or, when ``reader`` is pointwise, that of the first library call reading its result, if every
+    kernel Inductor may recompute ``reader`` in runs before that call (:func:`_inline_region`)."""
     anchor = tensor_result(reader)
     if not is_library_call(reader):
         later = first_library_call_reading(reader)
         if later is not None and tensor_result(later) is not None:
-            anchor = tensor_result(later)
+            before = _ancestors_from(tensor_result(later), compat.node_position(reader))
+            if _inline_region(reader) <= before:
+                anchor = tensor_result(later)
     return anchor
+
+
+def _stored(node: Node) -> bool:
+    """True if a library call reads ``node``'s value, directly or through views."""
+    return any(is_library_call(u) or (is_alias_op(u) and _stored(u)) for u in node.users)
+
+
+def _inline_region(reader: Node) -> set:
+    """The nodes whose generated kernels may recompute ``reader`` (a pointwise read of the
+    gathered parameter) rather than load its result: its readers through generated code, up to
+    values a library call reads, which Inductor writes to memory once.
+
+    Inductor does not store a cheap pointwise result that several kernels read; each recomputes
+    it from its inputs, the gathered parameter included. An embedding lookup read by the first
+    RMSNorm and by the residual add after the attention was recomputed in the add's kernel,
+    after a release anchored on the first projection: it read freed storage (a segfault on the
+    CPU, Trainer + PEFT LoRA under Inductor). A release anchored on the reader's own result makes
+    Inductor store it; that costs a kernel split only where such a late reader exists."""
+    region, stack = set(), [reader]
+    while stack:
+        node = stack.pop()
+        if _stored(node):
+            continue  # written to memory for a library call: later readers load it
+        for user in node.users:
+            if user.op != "output" and not is_library_call(user) and user not in region:
+                region.add(user)
+                stack.append(user)
+    return region
 
 
 def _readers(aliases) -> List[Node]:

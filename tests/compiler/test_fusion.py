@@ -4,7 +4,8 @@ Inductor does not fuse generated kernels across a fallback call such as ``dc.wai
 ``dc.release_param``. Placed naively (the wait right before the first reader, the release on the
 last reader's output) they split every RMSNorm from the residual add before it and the norm's
 backward into three kernels. ZeRO-2 has no gather or release at all, so on the same model the
-two stages must generate the same number of kernels. Runs on CPU (C++ kernels) and, with
+two stages generate the same kernels, but one: ZeRO-3 stores the embedding lookup, which
+Inductor would otherwise recompute after the embedding weight's release. Runs on CPU (C++ kernels) and, with
 ``DC_TEST_DEVICE=cuda``, on a GPU (Triton kernels).
 
 The backend partitions the joint graph itself, so it must also run the joint-graph passes that
@@ -62,7 +63,11 @@ def _body(ctx):
     zero2 = _generated_kernels(ctx, stage=2)
     zero3 = _generated_kernels(ctx, stage=3)
     assert zero2 > 0, "no kernels counted: the compile produced no code"
-    assert zero3 == zero2, f"ZeRO-3's runtime ops split fusion regions: {zero3} kernels against ZeRO-2's {zero2}"
+    # One kernel more, by design: the embedding lookup is stored before the embedding weight's
+    # release. Its result is read again by the residual add after the attention, and Inductor
+    # would recompute the lookup there, from the released weight (passes/zero3.py, _inline_region).
+    assert zero3 == zero2 + 1, (f"ZeRO-3's runtime ops split fusion regions: {zero3} kernels against ZeRO-2's "
+                                f"{zero2} (+1 expected: the stored embedding lookup)")
 
 
 def test_zero3_generates_as_many_kernels_as_zero2():

@@ -193,6 +193,32 @@ def test_runtime_ops_leave_pointwise_regions_whole():
 
 
 
+def test_a_pointwise_reader_read_again_after_the_next_product_is_released_on_its_own_result():
+    """An embedding lookup read by a norm before the first product and by a residual add after
+    it: Inductor would recompute the lookup (reading the weight) inside the add's kernel, after a
+    release anchored on the product (a segfault seen with PEFT LoRA on the CPU). The release takes
+    the lookup's own result, which Inductor then stores; a lookup read only up to the product
+    keeps the product as anchor."""
+
+    def late_reader(w_emb, w1, ids):
+        e = torch.nn.functional.embedding(ids, w_emb)
+        n = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True))
+        return ((n @ w1.t()) + e).sum()
+
+    def no_late_reader(w_emb, w1, ids):
+        e = torch.nn.functional.embedding(ids, w_emb)
+        n = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True))
+        return (n @ w1.t()).sum()
+
+    for fn, anchored_on in ((late_reader, torch.ops.aten.embedding.default), (no_late_reader, torch.ops.aten.mm.default)):
+        gm = _trace(fn, torch.randn(10, 4), torch.randn(4, 4), torch.randint(0, 10, (2, 3)))
+        params = _params(gm, 2)
+        insert_gather_release(gm, graph_id=1, params=params)
+        w_emb = next(iter(params))
+        (release,) = [n for n in gm.graph.nodes if n.target is dc.release_param.default and n.args[2] == params[w_emb]]
+        assert _release_source(release).target is anchored_on, fn.__name__
+
+
 def test_gathered_layout_reaches_views_and_exact_stride_ops():
     """The placeholder a parameter is traced as is expanded (stride 0); its gather is contiguous.
     Views of the gathered value, and the eager inputs recorded for an op that needs exact input
