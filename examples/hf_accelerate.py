@@ -1,7 +1,11 @@
 """An accelerate training loop configured for DeepSpeed ZeRO-3, running on deepcompile.
 
     torchrun --nproc-per-node 2 examples/hf_accelerate.py --ds-config examples/ds_config_zero3.json
-    accelerate launch --config_file examples/accelerate_deepspeed.yaml examples/hf_accelerate.py
+    python -m deepcompile.integrations.accelerate_launch --config_file examples/accelerate_deepspeed.yaml examples/hf_accelerate.py
+
+The second form is `accelerate launch` run through deepcompile, with the same arguments: plain
+`accelerate launch` looks for the real DeepSpeed package in the launcher process, before this
+script can serve deepcompile as `deepspeed`, and stops with "DeepSpeed is not installed".
 
 The loop is accelerate's ordinary DeepSpeed loop; the only deepcompile-specific lines are the two
 at the top, which must run before accelerate is imported. Rank 0 prints the loss (mean over
