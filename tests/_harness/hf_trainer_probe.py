@@ -124,6 +124,9 @@ def main() -> None:
         if args.poison_step >= 0:
             micro = {"n": 0}
 
+            # Run eagerly (the engine compiles the model): it counts micro-steps in Python and
+            # poisons one of them, which a traced graph would either bake in or guard on.
+            @torch.compiler.disable
             def poison(module, inputs, out):
                 if not (module.training and torch.is_grad_enabled()):
                     return out

@@ -153,4 +153,8 @@ def test_accelerate_short_last_window_matches_single_process(tmp_path):
     resumed_out = tmp_path / "resumed.json"
     hf_launch.torchrun(EXAMPLE, ["--ds-config", DS_CONFIG, "--epochs", "2", *state, "--resume",
                                  *_args(resumed_out, rows)], nproc=WORLD)
-    assert hf_launch.read_json(resumed_out)["losses"] == full["losses"][6:]
+    # Not bitwise: the uninterrupted run recompiled for the short window's batch (Dynamo then
+    # marks the batch dimension dynamic and runs dynamic-shape kernels), the resumed run compiles
+    # its first graphs for a static shape. Same math, other kernels: 3e-8 relative measured.
+    torch.testing.assert_close(torch.tensor(hf_launch.read_json(resumed_out)["losses"]),
+                               torch.tensor(full["losses"][6:]), rtol=1e-6, atol=0)

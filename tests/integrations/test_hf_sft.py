@@ -32,8 +32,12 @@ STEPS = ROWS // (MICRO * WORLD)
 # are summed (the reduce-scatter's average against accumulation): measured bitwise equal over 4
 # AdamW steps. Against one whole-batch micro-step instead, summation order alone reaches ~2e-5
 # relative on the third step's grad norm (AdamW at lr 1e-2 amplifies it), hence this reference.
-# A lost or unreduced lm_head gradient changes the grad norm by tens of percent.
-TOL = dict(rtol=1e-6, atol=1e-6)
+# The served engine compiles with Inductor by default (compile.auto_compile), whose fused kernels
+# sum in other orders than the eager reference: measured 7.4e-6 relative on the fourth step's
+# loss and 5.5e-5 on its grad norm, which AdamW at lr 1e-2 amplifies (TRL's fused loss gathers the
+# LM head, so that function runs eagerly, the rest compiled). A lost or unreduced lm_head gradient
+# changes the grad norm by tens of percent.
+TOL = dict(rtol=2e-4, atol=2e-4)
 
 
 def test_sft_trainer_zero3_matches_single_process(tmp_path):

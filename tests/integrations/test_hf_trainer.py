@@ -31,6 +31,11 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # ~1e-6 on elements whose gradient is near zero (seen on a Qwen2-MoE bias). 1e-5 is a thousandth
 # of one step at lr 1e-2; a missed or doubled update moves weights by ~1e-2.
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
+# The served engine compiles itself (compile.auto_compile); these runs test what Trainer does with
+# it, not code generation, so they compile with the eager backend (the traced graph with
+# deepcompile's passes, run as is: seconds instead of Inductor's ~30 s per launch on 2 cores). The
+# PEFT LoRA run keeps Inductor: it met the release-after-recomputed-read bug there (9aac4f0).
+FAST_COMPILE = ["--compile-backend", "eager"]
 
 
 def _common(out, output_dir):
@@ -42,7 +47,8 @@ def runs(tmp_path_factory):
     """The DeepSpeed run on 2 ranks (checkpointing every 3 steps) and the single-process reference."""
     base = tmp_path_factory.mktemp("hf_trainer")
     ds_dir, ref_dir = base / "ds", base / "ref"
-    ds = hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--save-steps", "3",
+    ds = hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, *FAST_COMPILE, "--micro-batch", str(MICRO),
+                                      "--save-steps", "3",
                                       *_common(base / "ds.json", ds_dir)], nproc=WORLD)
     hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD),
                            *_common(base / "ref.json", ref_dir)], env=hf_launch.launch_env())
@@ -84,7 +90,8 @@ def test_trainer_resume_from_checkpoint_continues_exactly(runs):
     resumed_dir = runs["base"] / "resumed"
     os.makedirs(resumed_dir)
     shutil.copytree(runs["ds_dir"] / "checkpoint-3", resumed_dir / "checkpoint-3")
-    proc = hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--save-steps", "3",
+    proc = hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, *FAST_COMPILE, "--micro-batch", str(MICRO),
+                                        "--save-steps", "3",
                                         "--resume", *_common(runs["base"] / "resumed.json", resumed_dir)], nproc=WORLD)
     resumed, full = hf_launch.read_json(runs["base"] / "resumed.json"), runs["ds"]
     # Only steps 4..6 trained in this run (rank 0 prints one loss line per logged step).
@@ -100,7 +107,8 @@ def _from_pretrained_runs(base, name, model_path, extra=()):
     and in one process without DeepSpeed, which builds the model fully from the same files."""
     args = ["--model-path", str(model_path), *extra]
     hf_launch.torchrun(hf_launch.TRAINER_PROBE, ["--probe-out", str(base / f"{name}_probe"), "--",
-                                                 "--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), *args,
+                                                 "--deepspeed", DS_CONFIG, *FAST_COMPILE,
+                                                 "--micro-batch", str(MICRO), *args,
                                                  *_common(base / f"{name}_ds.json", base / f"{name}_ds")], nproc=WORLD)
     hf_launch.run_checked([sys.executable, EXAMPLE, "--micro-batch", str(MICRO * WORLD), *args,
                            *_common(base / f"{name}_ref.json", base / f"{name}_ref")], env=hf_launch.launch_env())
@@ -169,7 +177,7 @@ def test_trainer_config_with_optimizer_and_scheduler_sections(runs):
     the first two steps (before the schedules differ) match the reference's losses."""
     base = runs["base"]
     config = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3_hf.json")
-    hf_launch.torchrun(EXAMPLE, ["--deepspeed", config, "--micro-batch", str(MICRO),
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", config, *FAST_COMPILE, "--micro-batch", str(MICRO),
                                  *_common(base / "sections.json", base / "sections")], nproc=WORLD)
     got = hf_launch.read_json(base / "sections.json")
     assert got["engine"] == "deepcompile.integrations.deepspeed_api.engine"
@@ -228,7 +236,8 @@ def test_trainer_qwen2_moe_matches_single_process(runs):
     from transformers import AutoModelForCausalLM
 
     base = runs["base"]
-    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--arch", "qwen2_moe", "--micro-batch", str(MICRO),
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, *FAST_COMPILE, "--arch", "qwen2_moe",
+                                 "--micro-batch", str(MICRO),
                                  *_common(base / "moe_ds.json", base / "moe_ds")], nproc=WORLD)
     hf_launch.run_checked([sys.executable, EXAMPLE, "--arch", "qwen2_moe", "--micro-batch", str(MICRO * WORLD),
                            *_common(base / "moe_ref.json", base / "moe_ref")], env=hf_launch.launch_env())
@@ -258,7 +267,7 @@ def test_trainer_hybrid_sharding_matches_single_process(runs):
     base = runs["base"]
     micro = MICRO * WORLD // HYBRID_WORLD
     hf_launch.torchrun(hf_launch.TRAINER_PROBE, [
-        "--probe-out", str(base / "hybrid_probe"), "--", "--deepspeed", DS_CONFIG,
+        "--probe-out", str(base / "hybrid_probe"), "--", "--deepspeed", DS_CONFIG, *FAST_COMPILE,
         "--mics-shard-size", str(HYBRID_SHARD), "--micro-batch", str(micro),
         *_common(base / "hybrid.json", base / "hybrid")], nproc=HYBRID_WORLD)
     got, ref = hf_launch.read_json(base / "hybrid.json"), runs["ref"]
@@ -284,7 +293,7 @@ def test_trainer_evaluate_without_training_is_zero_inference(tmp_path):
     """Trainer.evaluate() with no training first: Trainer initializes DeepSpeed without an
     optimizer (ZeRO inference); the evaluation loss is the untrained model's, computed here in
     one process."""
-    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--eval-only",
+    hf_launch.torchrun(EXAMPLE, ["--deepspeed", DS_CONFIG, *FAST_COMPILE, "--micro-batch", str(MICRO), "--eval-only",
                                  *_common(tmp_path / "eval.json", tmp_path / "eval")], nproc=WORLD)
     got = hf_launch.read_json(tmp_path / "eval.json")
     assert got["engine"] == "deepcompile.integrations.deepspeed_api.engine"

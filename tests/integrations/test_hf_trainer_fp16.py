@@ -47,6 +47,9 @@ CONFIG = {
     "gradient_clipping": "auto",
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
+    # Compiled (the served default), with the eager backend: quick on a CPU, and the loss scaling
+    # under test is the engine's, not generated code's.
+    "compile": {"backend": "eager"},
 }
 
 
@@ -56,7 +59,10 @@ def runs(tmp_path_factory):
     config = base / "ds_config_fp16.json"
     config.write_text(json.dumps(CONFIG))
     results = {}
-    for name, poison in (("clean", []), ("poisoned", ["--poison-step", str(POISON_STEP), "--poison-rank", "1"])):
+    # The clean run installs the same (eager) hook, aimed at a step it never reaches, so that both
+    # runs compile the same graphs and stay bitwise equal up to the overflow.
+    for name, poison in (("clean", ["--poison-step", "1000000", "--poison-rank", "1"]),
+                         ("poisoned", ["--poison-step", str(POISON_STEP), "--poison-rank", "1"])):
         hf_launch.torchrun(hf_launch.TRAINER_PROBE, [
             "--probe-out", str(base / f"{name}_probe"), *poison, "--",
             "--deepspeed", str(config), "--fp16", "--micro-batch", str(MICRO), "--rows", str(ROWS),

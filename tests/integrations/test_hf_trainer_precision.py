@@ -47,13 +47,15 @@ def test_trainer_bf16_from_config_is_compiled_once_and_computes_in_bf16(tmp_path
     """from_config inside the served zero.Init, TrainingArguments(bf16=True, torch_compile=True):
     the engine compiled itself at initialize, accelerate's engine.compile with the same backend
     did not compile again, every linear of the compiled graphs is bf16 and none ran eagerly."""
-    probes, result = _probe_run(tmp_path, "compiled", ["--from-config", "--torch-compile", "--compile-backend", "eager"])
+    probes, result = _probe_run(tmp_path, "compiled",
+                                ["--from-config", "--torch-compile", "--compile-backend", "eager"])
     _assert_trained(result)
     for probe in probes:
         assert probe["compiled_at_initialize"] is True
         assert probe["compile_calls"] == 0, "accelerate's engine.compile() compiled a second time"
         assert probe["compiled"] == "compiled (eager, whole model)"
-        assert probe["compiled_linears"] and all(d == BF16 for d in probe["compiled_linears"]), probe["compiled_linears"]
+        linears = probe["compiled_linears"]
+        assert linears and all(d == BF16 for d in linears), linears
         assert "eager_linears" not in probe, probe.get("eager_linears")
         _assert_zero3_state(probe)
         # Trainer filled reduce_bucket_size with hidden_size**2 (32**2 here); the served initialize
@@ -61,7 +63,8 @@ def test_trainer_bf16_from_config_is_compiled_once_and_computes_in_bf16(tmp_path
         assert probe["given_reduce_bucket_size"] == 32 * 32
         assert probe["reduce_bucket_size"] == probe["block_numel"] > 32 * 32, probe
     summary = probes[0]["summary"]
-    assert summary.startswith("deepcompile engine: ZeRO-3 over 2 ranks; compute in bfloat16, fp32 master weights"), summary
+    assert summary.startswith("deepcompile engine: ZeRO-3 over 2 ranks; compute in bfloat16, fp32 master "
+                              "weights"), summary
     assert "gradients reduced in float32" in summary and "compiled (eager, whole model)" in summary, summary
     assert "prefetch + selective_gather from step 5" in summary, summary
 

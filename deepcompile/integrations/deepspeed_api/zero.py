@@ -76,8 +76,14 @@ def _as_list(params: Any) -> list:
 class GatheredParameters(contextlib.ContextDecorator):
     """Collective: every rank enters with the same parameters. ``fwd_module`` (DeepSpeed's
     hint to its module hooks about who uses the parameters) is ignored: deepcompile's hooks do
-    not track that."""
+    not track that.
 
+    Never traced: code that gathers inside a model's forward (TRL's fused loss gathers the LM
+    head there) runs in a compiled engine too. Dynamo cannot trace the block (it swaps
+    parameters' storage and runs collectives), so it leaves the function that opens it to run
+    eagerly, where deepcompile's eager ZeRO hooks serve the rest of its parameters."""
+
+    @torch.compiler.disable
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
                  enabled: bool = True):
         params = _as_list(params) if enabled else []
@@ -85,12 +91,14 @@ class GatheredParameters(contextlib.ContextDecorator):
         self._blocks = [DeferredGather(params, modifier_rank), Gathered(params, modifier_rank)] if enabled else []
         self._entered: list = []
 
+    @torch.compiler.disable
     def __enter__(self) -> "GatheredParameters":
         for block in self._blocks:
             block.__enter__()
             self._entered.append(block)
         return self
 
+    @torch.compiler.disable
     def __exit__(self, *exc: Any) -> bool:
         while self._entered:
             self._entered.pop().__exit__(*exc)
