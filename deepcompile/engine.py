@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from deepcompile import compat, debug_checks, logging_setup, ops, optim_builder, progress, runtime
+from deepcompile import compat, debug_checks, logging_setup, ops, optim_builder, progress, run_summary, runtime
 from deepcompile.checkpoint.training_state import StepCounters, TrainingState
 from deepcompile.compiler.compiled_module import CompiledModule
 from deepcompile.config import Config
@@ -175,6 +175,7 @@ class Engine:
                                               sharding=self.sharding, activations=self.activations)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
         self.compiled_as: Optional[CompiledAs] = None  # the arguments of the last compile(); None: eager
+        self.summary_line: Optional[str] = None  # logged at the first forward (run_summary.py)
         self._first_runs = progress.FirstRuns(show=self.rank == 0)  # compiles are lazy: say when they run
         # compile.auto_compile: null follows the entry point (the served deepspeed.initialize
         # compiles, deepcompile.initialize leaves it to engine.compile()). Compiling is lazy: a
@@ -210,6 +211,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._init_checked:
             self._check_initialised()
+        if self.summary_line is None:  # what runs, said once (run_summary.py)
+            self.summary_line = run_summary.log_once(self)
         self.scheduler.begin_micro_step(self.global_steps,
                                         first_in_window=self.micro_steps % self.gradient_accumulation_steps == 0,
                                         can_profile=self.compiled_module.has_backends)

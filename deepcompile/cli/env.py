@@ -86,8 +86,9 @@ def collect() -> List[Tuple[str, str]]:
     rows.append(("C++ compiler", _first_line([os.environ.get("CXX", "c++"), "--version"])))
     rows.append(("nvcc", _first_line(["nvcc", "--version"], last=True)))
     rows.append(("triton", _version("triton")))
-    rows.append(("transformers", _version("transformers")))
-    rows.append(("safetensors", _version("safetensors")))
+    # The Hugging Face stack the served DeepSpeed interface is used through (docs/huggingface.md).
+    for package in ("transformers", "accelerate", "peft", "trl", "safetensors"):
+        rows.append((package, _version(package)))
     if cuda:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

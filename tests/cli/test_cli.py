@@ -216,5 +216,12 @@ def test_env_report():
     for row in ("torch ", "NCCL (torch)", "deepcompile NCCL path compiled", "C++ compiler", "CUDA available"):
         assert row in out, (row, out)
     assert "GPUs" in out or "GPU 0" in out
+    # The Hugging Face stack, each with its installed version (or "not installed").
+    import importlib.metadata
+
+    for package in ("transformers", "accelerate", "peft", "trl"):
+        line = next((line for line in out.splitlines() if line.split()[:1] == [package]), None)
+        assert line is not None, (package, out)
+        assert line.split()[1] == importlib.metadata.version(package), line
     line = next(line for line in out.splitlines() if line.startswith("deepcompile NCCL path compiled"))
     assert line.split()[4] in ("yes", "no"), line

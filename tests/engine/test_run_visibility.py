@@ -22,6 +22,8 @@ from _harness.multiproc import run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, batch, build_model, make_optimizer
 
 EXPECTED_ON_RANK0 = [
+    # What runs, once (run_summary.py): at the first forward, after any change of compile arguments.
+    "[deepcompile] deepcompile engine: ZeRO-3 over ",
     "[deepcompile] first compile: tracing and compiling the forward ...",
     "[deepcompile] step 0: profiling for the schedule",
     "[deepcompile] schedule switch at step 1",
@@ -80,6 +82,8 @@ def _body(ctx, ckpt):
         else:
             assert not seen, f"rank {ctx.rank} printed {wanted!r}; its stderr:\n{text}"
     if ctx.rank == 0:
+        (summary,) = [line for line in lines if "deepcompile engine:" in line]  # once
+        assert summary.endswith("compiled (eager, whole model); prefetch + selective_gather from step 1"), summary
         switch = next(line for line in lines if "schedule switch at step 1" in line)
         for part in ("prefetch group(s)", "kept gathered", "offloaded: nothing", "predicted peak", "budget"):
             assert part in switch, f"{part!r} missing from the switch line: {switch}"

@@ -1,5 +1,6 @@
-"""The served engine's run summary and its take-over of accelerate's per-layer compilation
-(deepcompile/integrations/deepspeed_api/run_summary.py), on plain modules: no process group."""
+"""The engine's run summary (deepcompile/run_summary.py) and the served engine's take-over of
+accelerate's per-layer compilation (deepcompile/integrations/deepspeed_api/run_summary.py), on
+plain modules and stand-ins: no process group."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+from deepcompile import run_summary as summary
 from deepcompile.integrations.deepspeed_api import run_summary
 
 
@@ -64,7 +66,7 @@ def test_summary_names_stage_dtypes_offload_and_compilation():
     model = Model().to(torch.bfloat16)
     config = SimpleNamespace(zero_optimization=SimpleNamespace(offload_optimizer=object(), offload_param=None),
                              compile=SimpleNamespace(offload_opt_states=False, offload_parameters=False,
-                                                     offload_activation=True))
+                                                     offload_activation=True, auto_compile=None))
     schedule = SimpleNamespace(entries=[SimpleNamespace(step=0, passes=frozenset()),
                                         SimpleNamespace(step=5, passes=frozenset({"prefetch"}))])
     engine = SimpleNamespace(config=config, module=model, stage=3, world_size=4, rank=0,
@@ -72,11 +74,13 @@ def test_summary_names_stage_dtypes_offload_and_compilation():
                              precision=SimpleNamespace(param_dtype=None, zero3_reduce_dtype=torch.float32),
                              compiled_as=CompiledAs("inductor", [Block], {"mode": "max-autotune"}),
                              scheduler=SimpleNamespace(schedule=schedule))
-    line = run_summary.describe(engine)
+    line = summary.describe(engine)
     assert line == ("deepcompile engine: ZeRO-3 over 4 ranks (hybrid: shard groups of 2); compute in bfloat16, fp32 "
                     "master weights and optimizer state, gradients reduced in float32; offload: optimizer state, "
                     "activations; compiled (inductor, per layer: Block, mode=max-autotune); prefetch from step 5")
     engine.compiled_as, engine.stage = None, 2
-    line = run_summary.describe(engine)
+    line = summary.describe(engine)
     assert "ZeRO-2" in line and "gradients reduced in bfloat16" in line
-    assert line.endswith("uncompiled (eager ZeRO hooks; compile.auto_compile is false)")
+    assert line.endswith("uncompiled (eager ZeRO hooks; engine.compile() was not called)")
+    config.compile.auto_compile = False
+    assert summary.describe(engine).endswith("uncompiled (eager ZeRO hooks; compile.auto_compile is false)")

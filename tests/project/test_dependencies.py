@@ -50,6 +50,8 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "progress": (),
     "precision": (),
     "step_report": (),
+    # The one line that says what runs (run_summary.py): reads the config's offload rules.
+    "run_summary": ("config",),
     # The memory budget every planner shares (memory/budget.py): torch only.
     "memory": (),
     # Config is data: it names the runtime's settings and the passes, it does not load them.
@@ -85,7 +87,7 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # The loop: composes everything above.
     "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "faults", "logging_setup", "memory",
                "offload", "ops", "optim_builder", "parts", "passes", "precision", "profiling", "progress", "runtime",
-               "scheduling", "step_report", "zero"),
+               "run_summary", "scheduling", "step_report", "zero"),
 }
 # Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit
 # above, never one another; ``python -m deepcompile`` runs the command line.

@@ -83,23 +83,26 @@ class DeepSpeedEngine(nn.Module):
         self._optimizer_view = OptimizerView(engine)
         self._backend_asked: Optional[str] = None  # compile(backend=...) of the caller (accelerate)
         self._advanced_in_backward = False
-        self._summarized = False
-        self.summary_line: Optional[str] = None  # what runs, said once at the first training forward
+        self._took_over_compile = False
+
+    @property
+    def summary_line(self) -> Optional[str]:
+        """The line the engine logged at its first training forward: what runs (None before)."""
+        return self.engine.summary_line
 
     def _first_training_forward(self) -> None:
         """Before the first training forward: take over per-layer compilation that accelerate did
-        around the engine, then say once what runs."""
-        self._summarized = True
+        around the engine (which then says what runs, deepcompile/run_summary.py)."""
+        self._took_over_compile = True
         regional = run_summary.take_over_regional_compile(self.module, self.engine)
         if regional:
             self.engine.compile(self._backend_asked or self.engine.config.compile.backend, regional=regional)
-        self.summary_line = run_summary.log_once(self.engine)
 
     # ---- training -----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            if not self._summarized:
+            if not self._took_over_compile:
                 self._first_training_forward()
             return self.engine(*args, **kwargs)
         # Evaluation: no backward follows, so none of the engine's micro-step accounting applies;
