@@ -196,7 +196,8 @@ def _open_and_plan(module: nn.Module, path: str, strict: bool):
 
 
 def _load_into_module(module: nn.Module, path: str, strict: bool) -> None:
-    partitioned = [n for n, p in module.named_parameters() if hasattr(p, "ds_id")]
+    # ZeRO-3 parameters carry ds_id, ZeRO-1/2 ones _dc_z12_id (their optimizer holds flat masters).
+    partitioned = [n for n, p in module.named_parameters() if hasattr(p, "ds_id") or hasattr(p, "_dc_z12_id")]
     if partitioned:
         raise TypeError("load_hf_weights: this module's parameters are partitioned by a deepcompile engine "
                         f"({partitioned[0]} ...); pass the engine instead")

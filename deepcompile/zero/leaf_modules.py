@@ -45,7 +45,7 @@ def set_leaf_modules(model: nn.Module, leaves: Sequence[LeafSpec]) -> List[nn.Mo
     nothing matches (a misspelt class would otherwise silently leave the hang in place), if
     ``model`` was already initialized, or if a leaf lies inside another leaf.
     """
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
+    if any(hasattr(p, "ds_id") or hasattr(p, "_dc_z12_id") for p in model.parameters()):  # ZeRO-3, ZeRO-1/2
         raise RuntimeError("deepcompile.set_leaf_modules must be called before deepcompile.initialize "
                            "(initialize installs the leaves' gathering)")
     classes = tuple(spec for spec in leaves if isinstance(spec, type))

@@ -84,7 +84,9 @@ class Zero12Sharding(Sharding):
             flat = build_group(params, ids, self.rank, self.world)
             for p, ds_id, off in zip(params, ids, flat.offsets):
                 self.ds_id_of[id(p)] = ds_id
-                p.ds_id = ds_id
+                # Not ``ds_id``: DeepSpeed sets that (with ``ds_status``) only on ZeRO-3's partitioned
+                # parameters, and DeepSpeed-aware code reads ``ds_status`` wherever it finds ``ds_id``.
+                p._dc_z12_id = ds_id
                 runtime.register_z12_param(ds_id, list(p.shape), p, off, flat.partition_numel)
             self.groups.append(flat)
             group_dict["params"] = [flat.master]

@@ -2,7 +2,9 @@
 
 An ``nn.Module`` holding the model as ``.module`` (as DeepSpeed's does: accelerate unwraps it
 there, Trainer calls ``train()``/``eval()`` and ``zero_grad()`` on it), whose methods are those
-Trainer and accelerate call. Any other attribute raises an error naming it.
+Trainer and accelerate call. Any other attribute is the module's, as in DeepSpeed (DeepSpeed-Chat
+calls ``engine.gradient_checkpointing_enable()``); one the module lacks either raises an error
+naming it.
 
 Gradient accumulation. DeepSpeed callers drive the window two ways: ``backward``/``step`` after
 every micro-batch (the engine counts), or, as accelerate does, ``set_gradient_accumulation_boundary``
@@ -14,10 +16,14 @@ DeepSpeed.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from deepcompile.engine import CompiledAs, Engine
@@ -35,6 +41,49 @@ class BoundaryEngine(Engine):
         if self.boundary_override is not None:
             return self.boundary_override
         return super().is_gradient_accumulation_boundary()
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: host wall time from a training forward (``start``) to the
+    ``step`` that ends it (``stop``), and samples per second over the optimizer steps timed, from
+    the engine's ``train_batch_size``. The served engine drives it as DeepSpeed's does; callers may
+    also ``start``/``stop`` it themselves. No device synchronisation: on a GPU a single interval is
+    the host's, the average over many steps the real rate."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = int(batch_size)
+        self.started = False
+        self.start_time = 0.0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0  # seconds inside start/stop intervals
+        self.step_elapsed_time = 0.0  # seconds of the optimizer step being timed
+
+    def start(self) -> None:
+        self.started = True
+        self.start_time = time.perf_counter()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.started:
+            return
+        self.started = False
+        duration = time.perf_counter() - self.start_time
+        self.micro_step_count += 1
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if global_step:
+            self.global_step_count += 1
+            if report_speed:
+                logging.getLogger("deepcompile").debug(
+                    "step %d: %.3f s, %.2f samples/s", self.global_step_count, self.step_elapsed_time,
+                    self.avg_samples_per_sec())
+            self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the optimizer steps timed so far (``-inf`` before the first)."""
+        if self.global_step_count == 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size * self.global_step_count / self.total_elapsed_time
 
 
 class OptimizerView:
@@ -83,6 +132,8 @@ class DeepSpeedEngine(nn.Module):
         self._optimizer_view = OptimizerView(engine)
         self._backend_asked: Optional[str] = None  # compile(backend=...) of the caller (accelerate)
         self._advanced_in_backward = False
+        self._step_applied = False  # was_step_applied(): the last step() updated the parameters
+        self.tput_timer = ThroughputTimer(engine.config.train_batch_size or 0)
         self._took_over_compile = False
 
     @property
@@ -104,6 +155,7 @@ class DeepSpeedEngine(nn.Module):
         if self.module.training and torch.is_grad_enabled():
             if not self._took_over_compile:
                 self._first_training_forward()
+            self.tput_timer.start()
             return self.engine(*args, **kwargs)
         # Evaluation: no backward follows, so none of the engine's micro-step accounting applies;
         # the model's ZeRO hooks gather what it uses.
@@ -128,12 +180,16 @@ class DeepSpeedEngine(nn.Module):
     def step(self, lr_kwargs: Any = None) -> None:
         if lr_kwargs is not None:
             raise missing("DeepSpeedEngine.step(lr_kwargs=...)")
+        self._step_applied = False  # as DeepSpeed: True only after an optimizer step that was not skipped
         if self._advanced_in_backward:
             self._advanced_in_backward = False
+            self.tput_timer.stop(global_step=False)
             return
         engine = self.engine
         stepped = engine.is_gradient_accumulation_boundary()
         engine.step()
+        self._step_applied = stepped and not self.optimizer.overflow
+        self.tput_timer.stop(global_step=stepped)
         if stepped and engine.micro_steps % engine.gradient_accumulation_steps:
             # The caller ended the window early (accelerate at the end of an epoch): the next
             # window starts here, as in DeepSpeed.
@@ -241,7 +297,9 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.get_lr()
 
     def was_step_applied(self) -> bool:
-        return not self.optimizer.overflow
+        """Whether the last ``step()`` updated the parameters: False between accumulation
+        boundaries, after a step skipped for an fp16 overflow, and before the first step."""
+        return self._step_applied
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -254,8 +312,22 @@ class DeepSpeedEngine(nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+        """DeepSpeed's stage-independent name for the above (OpenRLHF saves through it): the same
+        dict at every stage, rank 0 only. Collective."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
+        """The full weights in the training dtype as one ``torch.save`` file, written by rank 0.
+        As DeepSpeed: under ZeRO-3 only if ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
+        is true; otherwise nothing is written and it returns False (callers then save a checkpoint)."""
+        if self.engine.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            warnings.warn(f"deepcompile: did not save the model {os.path.join(save_dir, save_filename)} because "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save is false (as DeepSpeed); "
+                          "engine.engine.save_hf(dir) writes the full weights whatever the config says",
+                          stacklevel=2)
+            return False
         state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.engine.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -277,14 +349,46 @@ class DeepSpeedEngine(nn.Module):
             raise missing("DeepSpeedEngine.load_checkpoint(custom_load_fn=...)")
         # load_module_strict=False (Trainer, for PEFT models) tolerates a checkpoint without the
         # frozen parameters; deepcompile's checkpoints hold every parameter, so strict or not, all load.
+        if tag is None and self._no_latest_anywhere(load_dir):
+            # As DeepSpeed: nothing to resume from is not an error (OpenRLHF and others call
+            # load_checkpoint unconditionally at startup). A checkpoint that is there but damaged
+            # or does not match still raises, from the engine.
+            msg = (f"deepcompile: unable to find a 'latest' file in {os.fspath(load_dir)!r}: no checkpoint was "
+                   "loaded (pass tag= to load a checkpoint that 'latest' does not name)")
+            warnings.warn(msg, stacklevel=2)
+            return None, None
         self._advanced_in_backward = False
         return self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                            load_lr_scheduler_states=load_lr_scheduler_states,
                                            load_module_only=load_module_only)
+
+    def _no_latest_anywhere(self, load_dir: Any) -> bool:
+        """True when no rank finds ``<load_dir>/latest`` (a missing or empty directory included):
+        DeepSpeed's "no checkpoint". Agreed over the engine's ranks (one small collective), so that
+        every rank returns or every rank goes on to load (where one rank lacking the file makes
+        the engine's load raise on all)."""
+        from deepcompile.checkpoint.layout import LATEST
+
+        absent = not os.path.isfile(os.path.join(os.fspath(load_dir), LATEST))
+        group = self.engine.group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            everywhere: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everywhere, absent, group=group)
+            return all(everywhere)
+        return absent
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)  # parameters, buffers and submodules
         except AttributeError:
             pass
+        # As DeepSpeed's engine: what it does not have itself is the wrapped module's
+        # (engine.gradient_checkpointing_enable()); what it has (config, forward, save_checkpoint,
+        # ...) stays its own. Dunder probes (copy, pickle) stay the engine's own misses.
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
         raise missing(f"DeepSpeedEngine.{name}")
