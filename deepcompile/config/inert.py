@@ -134,9 +134,6 @@ NO_EFFECT: Dict[str, str] = {
     "optimizer.params.torch_adam": (
         "the update is always torch.optim's Adam/AdamW, which computes what DeepSpeed's FusedAdam (torch_adam "
         "false) computes"),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
-        "no model-save path skips consolidation; engine.save_hf() and engine.full_state_dict() gather the full "
-        "weights (to rank 0, in the parameters' dtype) whenever they are called"),
     "monitor_config": (
         "not a DeepSpeed key: DeepSpeed reads its monitors from the top-level tensorboard, wandb and csv_monitor "
         "sections and ignores this one (LLaMA-Factory's configs carry it), and so does deepcompile"),

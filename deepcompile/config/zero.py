@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 from deepcompile.config.errors import ConfigError, show
-from deepcompile.config.schema import Section, fixed_key, key, no_effect_key, off_only_key
+from deepcompile.config.schema import Section, fixed_key, key, off_only_key
 from deepcompile.config.validators import boolean, check_keys, integer, number, optional, string
 
 
@@ -178,9 +178,11 @@ class ZeroConfig(Section):
         + _LIMIT.format(what="a parameter is kept gathered only if the other gathers bring in at most this many "
                        "elements between two of its uses",
                        zero="turns selective gathering off (DeepSpeed keeps no released parameter then)") + ".")
-    stage3_gather_16bit_weights_on_model_save: Any = no_effect_key(
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save", boolean, False,
-        auto="kept: the key has no effect either way")
+    stage3_gather_16bit_weights_on_model_save: Any = key(
+        boolean, False, "ZeRO-3: the served DeepSpeedEngine.save_16bit_model (Trainer's save_model) gathers and "
+        "writes the full 16-bit weights only when true, as DeepSpeed does (false: it warns and returns False). "
+        "engine.save_hf() and engine.full_state_dict() gather whenever they are called.",
+        auto="kept, and read as true")
     sub_group_size: Optional[int] = key(
         _sub_group_size, None,
         "ZeRO-3 (inert under ZeRO-1/2, as in DeepSpeed, whose ZeRO-1/2 step their flat partitions whole): the "
