@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
-from deepcompile.integrations.deepspeed_api import filled_sizes, zero_init
+from deepcompile.integrations.deepspeed_api import filled_sizes, frozen_engine, served_config, zero_init
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.accelerator import get_accelerator  # noqa: F401
 from deepcompile.integrations.deepspeed_api.arguments import add_config_arguments  # noqa: F401
@@ -48,9 +48,23 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             raise missing(f"deepspeed.initialize({name}=...)")
     if args is not None and getattr(args, "deepspeed_config", None) and config is None and config_params is None:
         config = args.deepspeed_config
-    cfg = _config_dict(config, config_params)
+    # What DeepSpeed tolerates and deepcompile.initialize refuses (served_config.py): dotted
+    # top-level keys are dropped with a warning.
+    cfg = served_config.drop_dotted_keys(served_config.as_dict(_config_dict(config, config_params)))
     if model is None:
         raise ValueError("deepspeed.initialize needs a model")
+    # No optimizer anywhere: an engine that only evaluates (a reference/teacher model, ZeRO
+    # inference, Lightning's inference path with model_parameters=[]).
+    inference = served_config.has_no_optimizer(cfg, optimizer, model_parameters, lr_scheduler)
+    if served_config.zero_stage(cfg) == 0:
+        if not inference:
+            raise ValueError("deepspeed.initialize: ZeRO stage 0 (zero_optimization.stage 0, DeepSpeed's default "
+                             "without a zero_optimization section) is supported only for a model that is never "
+                             "trained (no optimizer, no optimizer section, no model_parameters); deepcompile has no "
+                             "stage 0 training: set zero_optimization.stage to 1, 2 or 3")
+        init_distributed()
+        # DeepSpeed runs such a model whole on every rank: nothing to partition (frozen_engine.py).
+        return frozen_engine.build(model, cfg), None, None, None
     init_distributed()
     # Parameters built inside deepspeed.zero.Init: each rank holds a slice; the engine gathers
     # them one at a time as it partitions (zero_init.py).
@@ -67,9 +81,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
     # deepcompile's engine partitions through an optimizer, so it gets one that never steps (SGD
     # at lr 0 keeps no state); the served engine refuses backward and step.
-    inference = optimizer is None and model_parameters is None and lr_scheduler is None and config.optimizer is None
     if inference:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        model_parameters = None  # Lightning's [] means "none to train": the SGD above covers them all
     # Compiled by default (compile.auto_compile): a script switched to deepcompile runs the
     # compiled, scheduled step whether or not it asked for torch.compile.
     engine = BoundaryEngine(model, optimizer, config, lr_scheduler=lr_scheduler, model_parameters=model_parameters,

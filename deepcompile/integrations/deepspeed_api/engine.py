@@ -31,6 +31,10 @@ from deepcompile.integrations.deepspeed_api import run_summary
 from deepcompile.integrations.deepspeed_api._missing import missing
 
 
+_INFERENCE_ONLY = ("DeepSpeedEngine.{}: this engine was initialized without an optimizer (ZeRO inference): it only "
+                  "evaluates; train through a deepspeed.initialize given an optimizer")
+
+
 class BoundaryEngine(Engine):
     """deepcompile's engine whose accumulation boundary the caller may set (DeepSpeed's
     ``set_gradient_accumulation_boundary``); None: counted, as deepcompile does."""
@@ -164,8 +168,7 @@ class DeepSpeedEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
                  **kwargs: Any) -> torch.Tensor:
         if self.inference_only:
-            raise RuntimeError("this engine was initialized without an optimizer (ZeRO inference): it only "
-                               "evaluates; train through a deepspeed.initialize given an optimizer")
+            raise RuntimeError(_INFERENCE_ONLY.format("backward"))
         if retain_graph:
             raise missing("DeepSpeedEngine.backward(retain_graph=True)")
         if kwargs:
@@ -178,6 +181,8 @@ class DeepSpeedEngine(nn.Module):
         return loss
 
     def step(self, lr_kwargs: Any = None) -> None:
+        if self.inference_only:
+            raise RuntimeError(_INFERENCE_ONLY.format("step"))
         if lr_kwargs is not None:
             raise missing("DeepSpeedEngine.step(lr_kwargs=...)")
         self._step_applied = False  # as DeepSpeed: True only after an optimizer step that was not skipped
