@@ -223,7 +223,7 @@ def _two_zero3_engines_body(ctx):
 
 @pytest.mark.world_size(WORLD)
 @pytest.mark.xfail(strict=True, reason="two ZeRO-3 engines in one process: once the second is built, the first's "
-                                       "step no longer shows in its forward (found by this test; see NOTES)")
+                                       "step no longer shows in its forward (docs/huggingface.md, Tested)")
 def test_zero3_reference_beside_trained_engine():
     require_world_size(WORLD)
     run_distributed(_two_zero3_engines_body, world_size=WORLD)
