@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("check", help="validate a DeepSpeed-style config and show its resolved \"auto\" values",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="the JSON config file")
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks the run will have (default 1)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="number of ranks the run will have (default 1, said in the output: batch sizes and "
+                        "hybrid/hpZ groups depend on it)")
     p.add_argument("--model", help="a transformers config.json or model folder, to resolve the model's \"auto\" values")
     p.add_argument("--show-config", action="store_true", help="also print the whole resolved config as JSON")
     by = p.add_mutually_exclusive_group()
@@ -279,6 +281,10 @@ def run(args) -> int:
     if not isinstance(raw, dict):
         print(f"{args.config} must hold a JSON object, got {type(raw).__name__}")
         return 1
+    if args.world_size is None:
+        # Not silently: a config valid at one rank may be invalid at the run's world size.
+        args.world_size = 1
+        print("no --world-size given: checking at world size 1 (pass --world-size N for the run's number of ranks)")
     if args.world_size < 1:
         print("--world-size must be at least 1")
         return 2

@@ -92,3 +92,15 @@ def test_every_independent_problem_in_one_run(capsys, tmp_path):
     code, out = _check(capsys, config, "--world-size", "2", tmp=tmp_path)
     assert code == 1 and "2 problem(s)" in out, out
     assert "zero_optimization.bogus" in out and "compile.optimizer_step_in_backward cannot be used here" in out, out
+
+
+def test_check_without_world_size_says_it_assumed_one(capsys, tmp_path):
+    """A config can be valid at one rank and not at the run's world size (batch sizes): check
+    says which world size it checked when none was given."""
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}}
+    code, out = _check(capsys, config, tmp=tmp_path)
+    assert "no --world-size given: checking at world size 1" in out, out
+    assert code == 1, out  # 8 != 4 x 1 x 1 rank; right at 2 ranks
+    code, out = _check(capsys, config, "--world-size", "2", tmp=tmp_path)
+    assert code == 0 and "no --world-size given" not in out, out
