@@ -111,6 +111,9 @@ def _body(ctx, stage, gas, clip, explicit_tokens):
         assert handler.lines == []
         engine.destroy()
         return
+    # The run summary (run_summary.py) comes first, once; then the step lines.
+    summary, *handler.lines = handler.lines
+    assert summary.startswith("deepcompile engine: ZeRO-"), summary
     assert len(handler.lines) == STEPS // EVERY, handler.lines
     memory = r"n/a" if ctx.device.type == "cpu" else r"\d+\.\d\d GiB"
     pattern = (r"step (\d+): lr ([\d.e-]+) \| loss ([\d.]+) \| grad norm ([\d.e+-]+) \| tokens/s (\d+) \| "
