@@ -186,7 +186,8 @@ class Engine:
 
     def _sizes_report(self) -> SizesReport:
         persistent = self.sharding.persistent_ids()
-        numel = sum(sp.numel for sp in getattr(self.sharding, "params", []) if sp.ds_id in set(persistent))
+        kept = set(persistent)
+        numel = sum(sp.numel for sp in getattr(self.sharding, "params", []) if sp.ds_id in kept)
         return SizesReport(self.config.zero_optimization, self.stage, persistent, numel)
 
     def compile(self, backend: str = "inductor", regional: Any = False, **torch_compile_kwargs: Any) -> "Engine":

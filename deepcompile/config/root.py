@@ -23,6 +23,19 @@ from deepcompile.config.zero import OFFLOAD_KEYS, ZeroConfig
 _UNTESTED = "torch.optim.Adam, AdamW and SGD"
 
 
+def load_json_object(path_like: Any) -> Dict[str, Any]:
+    """The JSON object in a config file; a ValueError naming the file otherwise."""
+    path = os.fspath(path_like)
+    with open(path, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path}: invalid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"config file {path} must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class Config(Section):
     """The whole configuration. Build it with :meth:`from_any` / :meth:`from_dict`."""
@@ -110,15 +123,7 @@ class Config(Section):
         if isinstance(obj, Mapping):
             return cls.from_dict(obj)
         if isinstance(obj, (str, os.PathLike)):
-            path = os.fspath(obj)
-            with open(path, encoding="utf-8") as f:
-                try:
-                    d = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"config file {path}: invalid JSON: {e}") from e
-            if not isinstance(d, dict):
-                raise ValueError(f"config file {path} must hold a JSON object, got {type(d).__name__}")
-            return cls.from_dict(d)
+            return cls.from_dict(load_json_object(obj))
         raise TypeError(
             f"config must be a dict, a path to a JSON file or a deepcompile.Config, got {type(obj).__name__}"
         )

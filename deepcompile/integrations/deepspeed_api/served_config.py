@@ -9,10 +9,11 @@ DeepSpeed never reads). Only the served entry point relaxes them, so the direct 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any, Dict, Mapping, Optional
+
+from deepcompile.config.root import load_json_object
 
 
 def as_dict(cfg: Any) -> Any:
@@ -21,15 +22,7 @@ def as_dict(cfg: Any) -> Any:
     if isinstance(cfg, Mapping):
         return dict(cfg)
     if isinstance(cfg, (str, os.PathLike)):
-        path = os.fspath(cfg)
-        with open(path, encoding="utf-8") as f:
-            try:
-                loaded = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {path}: invalid JSON: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a JSON object, got {type(loaded).__name__}")
-        return loaded
+        return load_json_object(cfg)
     return cfg
 
 
