@@ -224,22 +224,49 @@ def record_memory_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: I
 def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor], sync: Callable[[], None],
                 path: str, title: str, write: bool, record_memory: bool = True) -> Optional[Dict[str, float]]:
     """Profile the steps; on the writing rank, write the summary and return ``transfer_summary``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     batches = list(batches)
-    sync()
-    record_memory = record_memory and torch.cuda.is_available() and write
-    if record_memory:
-        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for tokens in batches:
-            step(tokens)
-        sync()
-        wall_ms = (time.perf_counter() - start) * 1e3
-    if not write:
-        return None
+    tracer = StepTracer(sync, path, title, write, record_memory)
+    tracer.start()
+    for tokens in batches:
+        step(tokens)
+    return tracer.stop(len(batches))
+
+
+class StepTracer:
+    """A profiler window opened and closed by whoever drives the steps (``trace_steps`` above, or a
+    Trainer callback in trainer_bench.py, where the loop is not ours)."""
+
+    def __init__(self, sync: Callable[[], None], path: str, title: str, write: bool, record_memory: bool = True):
+        self.sync, self.path, self.title, self.write = sync, path, title, write
+        self.record_memory = record_memory and torch.cuda.is_available() and write
+        self.prof = None
+        self.start_s = 0.0
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.sync()
+        if self.record_memory:
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.start_s = time.perf_counter()
+
+    def stop(self, n_steps: int) -> Optional[Dict[str, float]]:
+        """Close the window after ``n_steps`` steps; on the writing rank, write the summary."""
+        self.sync()
+        wall_ms = (time.perf_counter() - self.start_s) * 1e3
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        if not self.write:
+            return None
+        return write_summary(prof, wall_ms, n_steps, self.path, self.title, self.record_memory)
+
+
+def write_summary(prof, wall_ms: float, n_steps: int, path: str, title: str,
+                  record_memory: bool) -> Dict[str, float]:
+    """The text summary (and the gzipped Chrome trace and allocator history) of a closed profiler."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     stem = path[: -len(".txt")] if path.endswith(".txt") else path
     if record_memory:
@@ -247,7 +274,7 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
         torch.cuda.memory._record_memory_history(enabled=None)
     chrome: dict = {}
     _write_gzipped(stem + ".trace.json", prof.export_chrome_trace, lambda p: chrome.update(_read_json(p)))
-    transfers = transfer_summary(transfer_overlap(*copies_and_kernels(chrome)), len(batches), wall_ms)
+    transfers = transfer_summary(transfer_overlap(*copies_and_kernels(chrome)), n_steps, wall_ms)
     kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
                if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
     kinds = {"nccl kernels": 0.0, "other kernels": 0.0, "memcpy/memset": 0.0}
@@ -256,10 +283,11 @@ def trace_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[
             kinds[_kind(e.name)] += _device_time_us(e) / 1e3
     sort_device = "self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total") \
         else "self_cuda_time_total"
-    lines = [f"# {title}: {len(batches)} traced step(s), wall {wall_ms:.1f} ms ({wall_ms / max(len(batches), 1):.1f} ms/step)", ""]
-    lines += [f"device time, {k}: {v:.1f} ms ({v / max(len(batches), 1):.1f} ms/step)" for k, v in kinds.items()]
-    lines += [generated_kernel_line(kernels, len(batches))]
-    lines += [""] + overlap_lines(kernels, wall_ms, len(batches))
+    per = max(n_steps, 1)
+    lines = [f"# {title}: {n_steps} traced step(s), wall {wall_ms:.1f} ms ({wall_ms / per:.1f} ms/step)", ""]
+    lines += [f"device time, {k}: {v:.1f} ms ({v / per:.1f} ms/step)" for k, v in kinds.items()]
+    lines += [generated_kernel_line(kernels, n_steps)]
+    lines += [""] + overlap_lines(kernels, wall_ms, n_steps)
     lines += [""] + transfer_lines(transfers)
     lines += ["", "## top operators by self CPU time",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)]

@@ -86,6 +86,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="set a key of the DeepSpeed config every row gets (dotted, JSON value), e.g. "
                         "zero_optimization.reduce_bucket_size=50000000; repeatable")
+    p.add_argument("--logging-steps", type=int, default=1,
+                   help="Trainer's logging_steps (1: every step's loss is logged and compared; each log reads "
+                        "the loss and the grad norm on the host)")
+    p.add_argument("--trace", metavar="DIR", help="after the measured steps, profile --trace-steps more steps "
+                   "(bench/step_trace.py; rank 0 writes DIR/<row>.txt and the Chrome trace)")
+    p.add_argument("--trace-steps", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--row-timeout", type=float, default=400)
     p.add_argument("--json")
@@ -147,32 +153,56 @@ class _Rows:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class _Clock:
-    """Ends of optimizer steps (device synchronised) and the peak memory after the warm-up."""
+def _sync() -> None:
+    import torch
 
-    def __init__(self, warmup: int):
-        self.warmup, self.ends = warmup, []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _total_steps(args: argparse.Namespace) -> int:
+    return args.warmup + args.steps + (args.trace_steps if args.trace else 0)
+
+
+class _Clock:
+    """Ends of optimizer steps (device synchronised) and the peak memory after the warm-up; with
+    ``--trace``, a profiler window over the steps after the measured ones."""
+
+    def __init__(self, args: argparse.Namespace, key: str):
+        self.warmup, self.measured, self.ends = args.warmup, args.warmup + args.steps, []
+        self.tracer = None
+        if args.trace:
+            sys.path.insert(0, HERE)
+            from step_trace import StepTracer
+
+            self.tracer = StepTracer(_sync, os.path.join(args.trace, f"{key}.txt"), ROWS[key][0],
+                                     write=int(os.environ.get("RANK", 0)) == 0, record_memory=False)
+            self.trace_steps = args.trace_steps
 
     def step_end(self) -> None:
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         self.ends.append(time.perf_counter())
         if len(self.ends) == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        if self.tracer is not None:
+            if len(self.ends) == self.measured:
+                self.tracer.start()
+            elif len(self.ends) == self.measured + self.trace_steps:
+                self.tracer.stop(self.trace_steps)
 
 
 def _trainer_run(args, key: str, engine: str, torch_compile: bool, extra: Dict[str, Any], clock: _Clock):
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    total = args.warmup + args.steps
+    total = _total_steps(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="trainer_bench_"), deepspeed=_ds_config(args, extra, engine),
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.accumulation,
-        max_steps=total, learning_rate=1e-4, warmup_steps=2, max_grad_norm=1.0, logging_steps=1,
+        max_steps=total, learning_rate=1e-4, warmup_steps=2, max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="no", report_to=[], disable_tqdm=True, seed=0, dataloader_drop_last=True,
         bf16=args.precision == "bf16", fp16=args.precision == "fp16", torch_compile=torch_compile,
         torch_compile_backend=args.backend if torch_compile else None, use_cpu=not torch.cuda.is_available())
@@ -194,7 +224,7 @@ def _accelerate_run(args, key: str, engine: str, torch_compile: bool, extra: Dic
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    total = args.warmup + args.steps
+    total = _total_steps(args)
     plugin = DeepSpeedPlugin(hf_ds_config=_ds_config(args, extra, engine))
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=args.precision,
                               gradient_accumulation_steps=args.accumulation,
@@ -233,12 +263,13 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    clock = _Clock(args.warmup)
+    clock = _Clock(args, key)
     run = _trainer_run if loop == "trainer" else _accelerate_run
     wrapped, losses = run(args, key, engine, torch_compile, extra, clock)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    measured = [b - a for a, b in zip(clock.ends[args.warmup - 1:], clock.ends[args.warmup:])]
+    ends = clock.ends[: args.warmup + args.steps]  # not the traced steps after them
+    measured = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
     step_s = statistics.median(measured) if measured else float("nan")
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     first = clock.ends[0] - PROCESS_START if clock.ends else float("nan")
@@ -333,7 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = [run_row(args, argv, key) for key in args.rows.split(",")]
     header = (f"{args.preset} Llama, {args.precision}, micro-batch {args.micro_batch} x seq {args.seq} per rank, "
               f"accumulation {args.accumulation}, {args.nproc} ranks, {args.warmup} warm-up + {args.steps} measured "
-              f"steps, compiled rows: {args.backend}" + "".join(f", {item}" for item in args.set))
+              f"steps, compiled rows: {args.backend}, logging_steps {args.logging_steps}" + "".join(f", {item}" for item in args.set))
     text = header + "\n\n" + table(rows)
     for r in rows:
         if r.get("summary"):

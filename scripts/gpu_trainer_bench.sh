@@ -34,7 +34,7 @@ if [ -n "${TB_ARGS2:-}" ]; then  # a second table in the same call (e.g. other -
 fi
 if [ -n "${ENGINE_ROW:-}" ]; then
   timeout "$(left)" python3 bench/train_bench.py --isolate --nproc "${TB_NPROC:-2}" --methods z3-auto \
-    --warmup "${TB_WARMUP:-10}" --steps "${TB_STEPS:-30}" --row-timeout 200 --json "$OUT/engine.json" \
+    --warmup "${TB_WARMUP:-10}" --steps "${TB_STEPS:-30}" --row-timeout 200 ${ENGINE_ARGS:-} --json "$OUT/engine.json" \
     --markdown "$OUT/engine.md" > "$OUT/engine.log" 2>&1
   echo "train_bench rc=$? after $((SECONDS - start)) s"
   grep -E "^(method|---|deepcompile)" "$OUT/engine.log" | tail -4

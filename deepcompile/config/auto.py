@@ -15,8 +15,15 @@ config to DeepSpeed. deepcompile fills what the model and the world size determi
   and one layer's gradients per bucket lets each reduce overlap the next layer's backward (on
   2 H200, 1B Llama through Trainer: 99 ms/step at h**2 = 4.2M elements, 85 ms at one layer,
   bench/RESULTS.md). The served ``deepspeed.initialize`` hands a Trainer-filled h**2 back here.
-* ``stage3_prefetch_bucket_size``: ``int(0.9 * hidden_size ** 2)``;
-  ``stage3_param_persistence_threshold``: ``10 * hidden_size`` (the values HF Trainer derives).
+* ``stage3_prefetch_bucket_size`` (the largest fused prefetch gather): the same block's elements,
+  at least ``int(0.9 * hidden_size ** 2)`` (HF Trainer's value) and at most the key's default.
+  Trainer's 0.9 h**2 is a look-ahead volume for DeepSpeed's eager hooks, which gather a module's
+  parameters in one call whatever it is; as deepcompile's fusion cap it is below every weight of a
+  decoder layer, so every prefetch group held one parameter (293 groups, each a host round trip
+  and a collective launch, on the 1B bench model: the Trainer step host-bound, 103 ms against
+  84 ms with one layer per group, bench/results/2026-11-28.md, "Evening"). The served ``deepspeed.initialize``
+  hands a Trainer-filled 0.9 h**2 back here.
+* ``stage3_param_persistence_threshold``: ``10 * hidden_size`` (the value HF Trainer derives).
   A model without a hidden size gets the keys' defaults, and so does a stage-3 key under ZeRO-1/2,
   where it has no effect.
 
@@ -35,6 +42,8 @@ from deepcompile.config.errors import ConfigError, is_auto
 _DERIVED_BUCKETS = {"reduce_bucket_size": lambda h: h * h,
                     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                     "stage3_param_persistence_threshold": lambda h: 10 * h}
+# The sizes resolved to one repeated block's elements when the model names its blocks.
+_ONE_BLOCK = ("reduce_bucket_size", "stage3_prefetch_bucket_size")
 
 
 def resolve(config, world_size: int, model: Any = None):
@@ -84,10 +93,12 @@ def _derived_buckets(z, hidden: Optional[int], block: Optional[int] = None) -> D
         if is_auto(getattr(z, name)):
             useful = z.stage == 3 or name == "reduce_bucket_size"
             out[name] = rule(hidden) if hidden is not None and useful else defaults[name]
-    if is_auto(z.reduce_bucket_size) and block is not None:
-        # One repeated block's gradients per bucket (module docstring), never above the default.
-        out["reduce_bucket_size"] = min(max(out["reduce_bucket_size"] if hidden is not None else 0, block),
-                                        defaults["reduce_bucket_size"])
+    if block is not None:
+        # One repeated block's gradients per reduce bucket and parameters per fused gather (module
+        # docstring), never above the key's default.
+        for name in _ONE_BLOCK:
+            if is_auto(getattr(z, name)) and (z.stage == 3 or name == "reduce_bucket_size"):
+                out[name] = min(max(out[name] if hidden is not None else 0, block), defaults[name])
     return out
 
 

@@ -124,6 +124,9 @@ def _offload_optimizer(value: Any, dotted: str) -> Optional[OffloadOptimizer]:
 _LIMIT = ("{what}, in parameter elements, as DeepSpeed counts them; the schedule planner keeps to it alongside "
           "the memory budget (scheduling/planner.py). 0 {zero}; null: no limit")
 _HIDDEN = " \"auto\": {}, where hidden_size is model.config.hidden_size (else this key's default)."
+_ONE_BLOCK = (" \"auto\": the elements of the model's largest block named in _no_split_modules (a decoder layer), at "
+              "least {} and at most {} (docs/config.md), where hidden_size is model.config.hidden_size (else this "
+              "key's default).")
 # DeepSpeed's names: its fields are the unprefixed ones, the stage3_ names their aliases (and
 # stage3_gather_fp16_weights_on_model_save a deprecated spelling). The fields here keep the
 # stage3_ names; both spellings are read.
@@ -147,7 +150,8 @@ class ZeroConfig(Section):
 
     stage: int = key(_stage, None, "ZeRO stage: 1, 2 or 3. Required (DeepSpeed's default 0 is unsupported).")
     reduce_bucket_size: int = key(integer(1), 500_000_000, "Elements per gradient reduce bucket."
-                                  + _HIDDEN.format("hidden_size ** 2"), auto="hidden_size ** 2")
+                                  + _ONE_BLOCK.format("hidden_size ** 2", "5e8"),
+                                  auto="one decoder layer's elements (at least hidden_size ** 2)")
     allgather_bucket_size: int = key(
         integer(1), 500_000_000,
         "ZeRO-1/2: elements all-gathered per collective when the updated partitions are gathered after the "
@@ -167,8 +171,8 @@ class ZeroConfig(Section):
         auto="10 * hidden_size")
     stage3_prefetch_bucket_size: int = key(
         integer(0), 50_000_000, "ZeRO-3 (inert under ZeRO-1/2): elements per fused prefetch group (0: one "
-        "parameter per group). Alias prefetch_bucket_size." + _HIDDEN.format("int(0.9 * hidden_size ** 2)"),
-        auto="int(0.9 * hidden_size ** 2)")
+        "parameter per group). Alias prefetch_bucket_size." + _ONE_BLOCK.format("int(0.9 * hidden_size ** 2)", "5e7"),
+        auto="one decoder layer's elements (at least int(0.9 * hidden_size ** 2))")
     stage3_max_live_parameters: Optional[int] = key(
         optional(integer(0)), None, "ZeRO-3 (inert under ZeRO-1/2), alias max_live_parameters: "
         + _LIMIT.format(what="the most elements held gathered beyond what the op in flight needs (prefetched ahead plus "

@@ -150,8 +150,9 @@ def main() -> None:
 
         engine.engine.compile = compile_spy
         record["compiled_at_initialize"] = engine.engine.compiled_as is not None
-        record["reduce_bucket_size"] = engine.engine.config.zero_optimization.reduce_bucket_size
-        record["given_reduce_bucket_size"] = engine.config["zero_optimization"]["reduce_bucket_size"]
+        for size in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):
+            record[size] = getattr(engine.engine.config.zero_optimization, size)
+            record["given_" + size] = engine.config["zero_optimization"][size]
         record["block_numel"] = max(sum(p.numel() for p in layer.parameters())
                                     for layer in engine.module.model.layers)
 

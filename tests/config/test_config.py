@@ -688,10 +688,14 @@ def test_auto_bucket_sizes_follow_the_hidden_size():
     assert c.resolve(2, m).zero_optimization.reduce_bucket_size == 32 * 32
 
 
-def test_auto_reduce_bucket_is_one_repeated_block():
-    """reduce_bucket_size "auto": the largest block of the classes _no_split_modules names, at
-    least hidden_size**2, at most the default (config/auto.py says why)."""
-    c = Config.from_any({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+@pytest.mark.parametrize("name,floor,default", [("reduce_bucket_size", lambda h: h * h, 500_000_000),
+                                                  ("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h),
+                                                   50_000_000)])
+def test_auto_bucket_is_one_repeated_block(name, floor, default):
+    """reduce_bucket_size and stage3_prefetch_bucket_size "auto": the largest block of the classes
+    _no_split_modules names, at least Trainer's value, at most the default (config/auto.py says
+    why)."""
+    c = Config.from_any({"zero_optimization": {"stage": 3, name: "auto"}})
 
     class Block(torch.nn.Module):
         def __init__(self, n):
@@ -704,30 +708,40 @@ def test_auto_reduce_bucket_is_one_repeated_block():
         m.config = type("Cfg", (), {"hidden_size": hidden})()
         return m
 
-    assert c.resolve(2, model(5000, 24)).zero_optimization.reduce_bucket_size == 5000
-    assert c.resolve(2, model(100, 24)).zero_optimization.reduce_bucket_size == 24 * 24  # h**2 is the floor
-    assert c.resolve(2, model(5000, 24, names=())).zero_optimization.reduce_bucket_size == 24 * 24
-    assert c.resolve(2, model(5000, 24, names=("Other",))).zero_optimization.reduce_bucket_size == 24 * 24
+    def resolved(m, config=c):
+        return getattr(config.resolve(2, m).zero_optimization, name)
+
+    assert resolved(model(5000, 24)) == 5000
+    assert resolved(model(100, 24)) == floor(24)  # Trainer's value is the floor
+    assert resolved(model(5000, 24, names=())) == floor(24)
+    assert resolved(model(5000, 24, names=("Other",))) == floor(24)
     big = model(10, 24)
-    big.config.hidden_size = 10**5  # h**2 = 1e10 > the default
-    assert c.resolve(2, big).zero_optimization.reduce_bucket_size == 500_000_000
+    big.config.hidden_size = 10**5  # far above the default
+    assert resolved(big) == default
+    if name == "stage3_prefetch_bucket_size":  # inert under ZeRO-1/2: the default, whatever the model
+        z2 = Config.from_any({"zero_optimization": {"stage": 2, name: "auto"}})
+        assert resolved(model(5000, 24), z2) == default
 
 
-def test_served_initialize_hands_a_trainer_filled_reduce_bucket_back_to_auto():
+@pytest.mark.parametrize("name,fill", [("reduce_bucket_size", lambda h: h * h),
+                                       ("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h))])
+def test_served_initialize_hands_trainer_filled_sizes_back_to_auto(name, fill):
     from types import SimpleNamespace
 
     from deepcompile.integrations.deepspeed_api import filled_sizes
 
     m = SimpleNamespace(config=SimpleNamespace(hidden_size=64))
-    given = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686}}
+    given = {"zero_optimization": {"stage": 3, name: fill(64), "stage3_param_persistence_threshold": 640}}
     out, keys = filled_sizes.unfill(given, m)
-    assert keys == ["zero_optimization.reduce_bucket_size"] and out["zero_optimization"]["reduce_bucket_size"] == "auto"
-    assert given["zero_optimization"]["reduce_bucket_size"] == 4096  # the caller's dict is untouched
-    assert out["zero_optimization"]["stage3_prefetch_bucket_size"] == 3686
-    for value in (4095, 5e8, "auto", True):  # anything but hidden_size**2 is the user's and kept
-        same, keys = filled_sizes.unfill({"zero_optimization": {"reduce_bucket_size": value}}, m)
-        assert keys == [] and same["zero_optimization"]["reduce_bucket_size"] == value
+    assert keys == [f"zero_optimization.{name}"] and out["zero_optimization"][name] == "auto"
+    assert given["zero_optimization"][name] == fill(64)  # the caller's dict is untouched
+    assert out["zero_optimization"]["stage3_param_persistence_threshold"] == 640  # same "auto" either way
+    for value in (fill(64) - 1, 5e8, "auto", True):  # anything but Trainer's fill is the user's and kept
+        same, keys = filled_sizes.unfill({"zero_optimization": {name: value}}, m)
+        assert keys == [] and same["zero_optimization"][name] == value
     assert filled_sizes.unfill(given, SimpleNamespace())[1] == []  # no hidden size: nothing to recognise
+    both = {"zero_optimization": {"reduce_bucket_size": 64 * 64, "stage3_prefetch_bucket_size": int(0.9 * 64 * 64)}}
+    assert len(filled_sizes.unfill(both, m)[1]) == 2
 
 
 def test_auto_precision_follows_the_model_dtype(monkeypatch):

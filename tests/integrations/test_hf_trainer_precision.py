@@ -58,10 +58,13 @@ def test_trainer_bf16_from_config_is_compiled_once_and_computes_in_bf16(tmp_path
         assert linears and all(d == BF16 for d in linears), linears
         assert "eager_linears" not in probe, probe.get("eager_linears")
         _assert_zero3_state(probe)
-        # Trainer filled reduce_bucket_size with hidden_size**2 (32**2 here); the served initialize
-        # resolved that "auto" as deepcompile does: one decoder layer's elements.
+        # Trainer filled reduce_bucket_size with hidden_size**2 (32**2 here) and the prefetch bucket
+        # with 0.9 * hidden_size**2; the served initialize resolved both "auto"s as deepcompile
+        # does: one decoder layer's elements.
         assert probe["given_reduce_bucket_size"] == 32 * 32
+        assert probe["given_stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)
         assert probe["reduce_bucket_size"] == probe["block_numel"] > 32 * 32, probe
+        assert probe["stage3_prefetch_bucket_size"] == probe["block_numel"], probe
     summary = probes[0]["summary"]
     assert summary.startswith("deepcompile engine: ZeRO-3 over 2 ranks; compute in bfloat16, fp32 master "
                               "weights"), summary

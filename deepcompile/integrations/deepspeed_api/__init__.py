@@ -75,7 +75,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                          "those written under zero.GatheredParameters(..., modifier_rank=...))")
     from deepcompile.config import Config
 
-    # A reduce_bucket_size Trainer/accelerate filled for "auto" goes back to deepcompile's own "auto".
+    # Sizes Trainer/accelerate filled for "auto" go back to deepcompile's own "auto" (filled_sizes.py).
     engine_cfg, unfilled = filled_sizes.unfill(cfg, model) if isinstance(cfg, dict) else (cfg, [])
     config = Config.from_any(engine_cfg)
     # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
