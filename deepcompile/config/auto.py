@@ -19,10 +19,10 @@ config to DeepSpeed. deepcompile fills what the model and the world size determi
   at least ``int(0.9 * hidden_size ** 2)`` (HF Trainer's value) and at most the key's default.
   Trainer's 0.9 h**2 is a look-ahead volume for DeepSpeed's eager hooks, which gather a module's
   parameters in one call whatever it is; as deepcompile's fusion cap it is below every weight of a
-  decoder layer, so every prefetch group held one parameter (293 groups, each a host round trip
-  and a collective launch, on the 1B bench model: the Trainer step host-bound, 103 ms against
-  84 ms with one layer per group, bench/results/2026-11-28.md, "Evening"). The served ``deepspeed.initialize``
-  hands a Trainer-filled 0.9 h**2 back here.
+  decoder layer, so every prefetch group held one parameter (293 groups on the 1B bench model,
+  each a host round trip and a collective launch, in a Trainer step that is host-bound: 103.4
+  ms/step, then 86.5 in the next call with the layer-sized cap, bench/results/2026-11-28.md,
+  "Evening"). The served ``deepspeed.initialize`` hands a Trainer-filled 0.9 h**2 back here.
 * ``stage3_param_persistence_threshold``: ``10 * hidden_size`` (the value HF Trainer derives).
   A model without a hidden size gets the keys' defaults, and so does a stage-3 key under ZeRO-1/2,
   where it has no effect.
