@@ -93,6 +93,10 @@ class EagerGatherHooks:
         # Dynamo guards on: identical layers compiled one by one would each be captured again
         # (compiler/graph_instances.py). One shared record keeps them identical.
         self._unshare = compat.share_always_called_hooks(self._hooked)
+        # While suspended (TRL's generation under a whole-model GatheredParameters, which removes
+        # DeepSpeed's module hooks for its many eager forwards), the hooks leave the parameters as
+        # they are: gathered into .data by that block, not gathered again per forward.
+        self.suspended = False
         self._handles = []
         for sub in self._hooked:
             self._handles.append(sub.register_forward_pre_hook(self._gather))
@@ -102,7 +106,7 @@ class EagerGatherHooks:
         # Traced into a compiled caller, or about to be compiled as a frame of its own: the graph
         # gathers. Otherwise the forward runs eagerly, here (torch 2.11 runs a module called from
         # a frame it skipped this way: its forward is torch's own code, not compiled as a frame).
-        if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward):
+        if torch.compiler.is_compiling() or compat.will_compile_frame(module.forward) or self.suspended:
             return
         # A leaf's own parameters are gathered by its scope, with the rest of the leaf's
         # (leaf_scope): one gather, and a gradient for each in every backward. Gathered here

@@ -29,6 +29,7 @@ import torch.nn as nn
 from deepcompile.engine import CompiledAs, Engine
 from deepcompile.integrations.deepspeed_api import run_summary
 from deepcompile.integrations.deepspeed_api._missing import missing
+from deepcompile.integrations.deepspeed_api.parameter_offload import ParameterOffload
 
 
 _INFERENCE_ONLY = ("DeepSpeedEngine.{}: this engine was initialized without an optimizer (ZeRO inference): it only "
@@ -90,12 +91,30 @@ class ThroughputTimer:
         return self.batch_size * self.global_step_count / self.total_elapsed_time
 
 
+def _parameter_offload(engine: Engine) -> Optional[ParameterOffload]:
+    """Built with the engine, before anything is compiled: it adds DeepSpeed's per-module and
+    per-parameter attributes, which a compiled graph's guards must already see."""
+    hooks = getattr(engine.sharding, "eager", None)
+    if engine.stage != 3 or hooks is None:
+        return None
+    partitioned = [sp.param for sp in engine.sharding.params]
+    return ParameterOffload(engine.module, hooks, partitioned)
+
+
 class OptimizerView:
     """What ``deepspeed.initialize`` returns as the optimizer: the parameter groups (the LR a
     schedule sets), and DeepSpeed's ``overflow``. Stepping is the engine's (``engine.step()``)."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
+        self._parameter_offload = _parameter_offload(engine)
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """DeepSpeed's ZeRO-3 hook handles (parameter_offload.py); ZeRO-1/2 have none, as in DeepSpeed."""
+        if self._parameter_offload is None:
+            raise missing("the DeepSpeed optimizer's parameter_offload below ZeRO stage 3 (DeepSpeed has none either)")
+        return self._parameter_offload
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
