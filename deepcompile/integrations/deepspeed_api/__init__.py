@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from deepcompile.integrations.deepspeed_api import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401
-from deepcompile.integrations.deepspeed_api import filled_sizes, frozen_engine, served_config, zero_init
+from deepcompile.integrations.deepspeed_api import filled_sizes, frozen_engine, frozen_zero3, served_config, zero_init
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.accelerator import get_accelerator  # noqa: F401
 from deepcompile.integrations.deepspeed_api.arguments import add_config_arguments  # noqa: F401
@@ -34,6 +34,11 @@ def _config_dict(config: Any, config_params: Any) -> Any:
     if cfg is None:
         raise ValueError("deepspeed.initialize needs a config (config= or config_params=)")
     return cfg
+
+
+def _stage(cfg: Any) -> Any:
+    """The ZeRO stage asked for, from a dict as written or from a parsed Config."""
+    return served_config.zero_stage(cfg) if isinstance(cfg, dict) else cfg.zero_optimization.stage
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -66,6 +71,14 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         # DeepSpeed runs such a model whole on every rank: nothing to partition (frozen_engine.py).
         return frozen_engine.build(model, cfg), None, None, None
     init_distributed()
+    if inference and _stage(cfg) == 3:
+        # A frozen model at ZeRO-3 (TRL's reference model beside a ZeRO-3 policy): partitioned
+        # and gathered per module over torch.distributed alone, so that it shares no per-process
+        # state with a trained engine in the same process (frozen_zero3.py).
+        return frozen_zero3.build(model, cfg if isinstance(cfg, dict) else cfg.to_dict()), None, None, None
+    # A model a frozen ZeRO-3 engine held (Trainer's evaluate() before train()): its shards are
+    # handed over as zero.Init's slices are (frozen_zero3.hand_back).
+    frozen_zero3.hand_back(model)
     # Parameters built inside deepspeed.zero.Init: each rank holds a slice; the engine gathers
     # them one at a time as it partitions (zero_init.py).
     never_set = zero_init.hand_over(model)
@@ -78,7 +91,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # Sizes Trainer/accelerate filled for "auto" go back to deepcompile's own "auto" (filled_sizes.py).
     engine_cfg, unfilled = filled_sizes.unfill(cfg, model) if isinstance(cfg, dict) else (cfg, [])
     config = Config.from_any(engine_cfg)
-    # ZeRO inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
+    # ZeRO-1/2 inference (Trainer.evaluate()/predict() before any training): no optimizer anywhere.
     # deepcompile's engine partitions through an optimizer, so it gets one that never steps (SGD
     # at lr 0 keeps no state); the served engine refuses backward and step.
     if inference:

@@ -42,6 +42,8 @@ def _dtype(config: Any) -> Optional[torch.dtype]:
 class FrozenEngine(DeepSpeedEngine):
     """A model run whole on this rank, forward only. Build it with :func:`build`."""
 
+    _refusal = _FROZEN  # what the refused training calls say (the ZeRO-3 frozen engine says its own)
+
     def __init__(self, module: nn.Module, config: Dict[str, Any], checked: Any, device: torch.device):
         nn.Module.__init__(self)  # not DeepSpeedEngine's: there is no deepcompile engine behind it
         self.inference_only = True
@@ -56,16 +58,16 @@ class FrozenEngine(DeepSpeedEngine):
         return self.module(*args, **kwargs)
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"DeepSpeedEngine.backward: {_FROZEN}")
+        raise RuntimeError(f"DeepSpeedEngine.backward: {self._refusal}")
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"DeepSpeedEngine.step: {_FROZEN}")
+        raise RuntimeError(f"DeepSpeedEngine.step: {self._refusal}")
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        raise RuntimeError(f"DeepSpeedEngine.save_checkpoint: {_FROZEN} (save the module's state_dict instead)")
+        raise RuntimeError(f"DeepSpeedEngine.save_checkpoint: {self._refusal} (save the module's state_dict instead)")
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"DeepSpeedEngine.load_checkpoint: {_FROZEN} (load the module's state_dict instead)")
+        raise RuntimeError(f"DeepSpeedEngine.load_checkpoint: {self._refusal} (load the module's state_dict instead)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to clear: nothing here trains."""
@@ -176,7 +178,7 @@ class FrozenEngine(DeepSpeedEngine):
     def __getattr__(self, name: str) -> Any:
         if name == "engine":
             # Reached by the DeepSpeedEngine methods a frozen engine does not answer itself.
-            raise missing(f"the training engine of a frozen DeepSpeedEngine ({_FROZEN})")
+            raise missing(f"the training engine of a frozen DeepSpeedEngine ({type(self)._refusal})")
         return super().__getattr__(name)
 
 

@@ -7,8 +7,8 @@ full copy of the model between build and training. ``GatheredParameters`` over d
 parameters gives every rank their full values for the block and keeps ``modifier_rank``'s on exit:
 transformers loads the weights files on rank 0 and initialises missing weights through it. After
 initialize, ZeRO-3 partitioned parameters are gathered into their ``.data`` for the block, and a
-``modifier_rank``'s changes are written back into every rank's shard (zero/gathered_params.py);
-ZeRO-1/2 parameters are whole already.
+``modifier_rank``'s changes are written back into every rank's shard (zero/gathered_params.py;
+a frozen ZeRO-3 engine's: frozen_shards.py); ZeRO-1/2 parameters are whole already.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from deepcompile.integrations.deepspeed_api import comm
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
+from deepcompile.integrations.deepspeed_api.frozen_shards import FrozenGather
 from deepcompile.integrations.deepspeed_api.zero_init import Building, DeferredGather, defer, preset_of
 from deepcompile.zero.gathered_params import Gathered
 
@@ -87,8 +88,10 @@ class GatheredParameters(contextlib.ContextDecorator):
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
                  enabled: bool = True):
         params = _as_list(params) if enabled else []
-        # Deferred (built inside Init, before initialize) and partitioned (after) parameters.
-        self._blocks = [DeferredGather(params, modifier_rank), Gathered(params, modifier_rank)] if enabled else []
+        # Deferred (built inside Init, before initialize), partitioned by a training engine, and
+        # partitioned by a frozen ZeRO-3 engine (frozen_shards.py) parameters.
+        self._blocks = [DeferredGather(params, modifier_rank), Gathered(params, modifier_rank),
+                        FrozenGather(params, modifier_rank)] if enabled else []
         self._entered: list = []
 
     @torch.compiler.disable
