@@ -1,5 +1,6 @@
 // pybind11 control API of deepcompile._C: runtime lifetime, parameter and graph registration,
 // step hooks, profiling switches and introspection for tests. deepcompile/runtime.py wraps it.
+#include <deepcompile/fault_injection.h>
 #include <deepcompile/pinned_host.h>
 #include <deepcompile/runtime.h>
 
@@ -193,6 +194,10 @@ PYBIND11_MODULE(_C, m) {
                 "' (allgather, reduce-scatter, copy, offload, reload)");
     return py::tuple();
   });
+  m.def("abort_step", [] { currentRuntime().abortStep(); },
+        "Abandon a step that raised part-way, so the next one starts clean", py::call_guard<py::gil_scoped_release>());
+  // TEST-ONLY (fault_injection.h): the n-th fault point of `kind` from now throws; n=0 disarms.
+  m.def("_inject_fault", [](const std::string& kind, int64_t n) { armFault(parseFaultKind(kind), n); });
   m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
   m.def("enable_profiling", [](bool enabled) { currentRuntime().setProfiling(enabled); });
   m.def("is_profiling", [] { return currentRuntime().profiling(); });

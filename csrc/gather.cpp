@@ -1,5 +1,6 @@
 // Gathering a ZeRO-3 parameter into its padded buffer, and freeing that buffer.
 #include <deepcompile/communicator.h>
+#include <deepcompile/fault_injection.h>
 #include <deepcompile/gather.h>
 #include <deepcompile/lanes.h>
 
@@ -31,36 +32,81 @@ at::Tensor stageOwnChunk(const at::Tensor& source, at::ScalarType gather_dtype, 
 
 namespace {
 
+// Gives `p` a buffer for a gather in `dtype`: its previous one when the size *and* dtype fit (a
+// persistent parameter re-gathered in another dtype must not get the old dtype back), else a
+// fresh one. Called on the all-gather lane, before the group opens: an allocation failure then
+// leaves no communicator group half-issued.
+void prepareGatherBuffer(Lanes& lanes, Z3Layout& p, at::ScalarType dtype) {
+  const bool reuse =
+      hasStorageBytes(p.gathered) && p.gathered.numel() == p.padded_numel && p.gathered.scalar_type() == dtype;
+  if (reuse) return;
+  if (p.gathered.defined()) lanes.recordStream(p.gathered, lanes.computeStream());
+  faultPoint(FaultKind::GatherAlloc, "the gathered-buffer allocation");
+  // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
+  p.gathered = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
+}
+
+// Undoes a gather group that failed part-way: none of its parameters holds gathered values (the
+// collectives never completed, or completed into a group whose results were dropped), so none may
+// be waited on as valid. Non-persistent buffers are dropped (a later gather allocates afresh);
+// persistent ones are kept, invalid, for the next gather to refill. Only the handle is dropped,
+// never the storage: collectives already issued may still write into it (gloo's threads hold
+// their own references; on a GPU the block was allocated on the all-gather lane, so the allocator
+// reuses it only after that lane's queued collectives).
+class GatherRollback {
+ public:
+  explicit GatherRollback(const std::vector<Z3Layout*>& params) : params_(params) {}
+  ~GatherRollback() {
+    if (committed_) return;
+    for (Z3Layout* p : params_) {
+      p->valid = false;
+      p->gather_done = nullptr;
+      if (!p->persistent) p->gathered = at::Tensor();
+    }
+  }
+  GatherRollback(const GatherRollback&) = delete;
+  GatherRollback& operator=(const GatherRollback&) = delete;
+  void commit() { committed_ = true; }
+
+ private:
+  const std::vector<Z3Layout*>& params_;
+  bool committed_ = false;
+};
+
 // One group of gathers over `comm`: each parameter's buffer (reused when its size and dtype fit)
-// receives every rank's chunk; the own chunk is staged from `sources[i]` (its shard, or its hpZ
-// secondary copy when `comm` is the secondary communicator).
+// receives every rank's chunk; the own chunk is staged from its shard (or its hpZ secondary copy
+// when `comm` is the secondary communicator). Everything that allocates (buffers, host-shard
+// staging) happens before the group opens; a parameter becomes valid only once its group closed.
 void issueGatherGroup(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
                       const std::vector<at::ScalarType>& dtypes, bool from_secondary) {
   if (params.empty()) return;
+  GatherRollback rollback(params);
+  std::vector<at::Tensor> sources;
+  sources.reserve(params.size());
   {
     LaneScope scope(lanes, Lane::AllGather);
-    comm.beginGroup(Lane::AllGather);
     for (size_t i = 0; i < params.size(); ++i) {
-      Z3Layout& p = *params[i];
-      const at::ScalarType dtype = dtypes[i];
-      // Reuse the previous buffer only when it has the right size *and* dtype (a persistent
-      // parameter re-gathered in another dtype must not get the old dtype back).
-      const bool reuse = hasStorageBytes(p.gathered) && p.gathered.numel() == p.padded_numel &&
-                         p.gathered.scalar_type() == dtype;
-      if (!reuse) {
-        if (p.gathered.defined()) lanes.recordStream(p.gathered, lanes.computeStream());
-        // Allocated on the all-gather lane: the allocator then orders its reuse after the gather.
-        p.gathered = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
-      }
-      // Fused down-cast; an offloaded shard is brought in here, as the first link of the gather.
-      // A secondary copy is already in the gather dtype.
-      const at::Tensor source = from_secondary ? p.secondary : gatherSource(lanes, p);
-      comm.allGather(stageOwnChunk(source, p.gather_dtype, p.gathered, comm.rank()), p.gathered);
-      p.valid = true;
+      prepareGatherBuffer(lanes, *params[i], dtypes[i]);
+      // An offloaded shard is brought in here, as the first link of the gather. A secondary copy
+      // is already in the gather dtype.
+      sources.push_back(from_secondary ? params[i]->secondary : gatherSource(lanes, *params[i]));
     }
   }
-  CompletionPtr done = comm.endGroup();
-  for (Z3Layout* p : params) p->gather_done = done;
+  CommGroup group(comm, Lane::AllGather);
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    for (size_t i = 0; i < params.size(); ++i) {
+      Z3Layout& p = *params[i];
+      // Fused down-cast into this rank's own chunk; the gather then runs in place.
+      comm.allGather(stageOwnChunk(sources[i], p.gather_dtype, p.gathered, comm.rank()), p.gathered);
+    }
+  }
+  CompletionPtr done = group.end();
+  for (Z3Layout* p : params) {
+    p->valid = true;
+    p->gather_done = done;
+  }
+  rollback.commit();
 }
 
 }  // namespace
@@ -124,13 +170,20 @@ at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& p
   prepareGatherSources(lanes, {&p});
   lanes.waitCompute(Lane::AllGather);
   at::Tensor buffer;
+  at::Tensor source;
   {
     LaneScope scope(lanes, Lane::AllGather);
+    faultPoint(FaultKind::GatherAlloc, "a private gathered copy's allocation");
     buffer = at::empty({p.padded_numel}, p.shard.options().dtype(dtype));
-    comm.beginGroup(Lane::AllGather);
-    comm.allGather(stageOwnChunk(gatherSource(lanes, p), p.gather_dtype, buffer, comm.rank()), buffer);
+    source = gatherSource(lanes, p);
   }
-  comm.endGroup()->blockStream(lanes.computeStream());
+  // A private buffer: nothing of the registry to roll back if the group fails.
+  CommGroup group(comm, Lane::AllGather);
+  {
+    LaneScope scope(lanes, Lane::AllGather);
+    comm.allGather(stageOwnChunk(source, p.gather_dtype, buffer, comm.rank()), buffer);
+  }
+  group.end()->blockStream(lanes.computeStream());
   lanes.recordStream(buffer, lanes.computeStream());
   return buffer;
 }

@@ -110,6 +110,40 @@ void GradReducer::copyIntoSlots(at::ScalarType dtype, std::vector<Task>& tasks) 
   }
 }
 
+std::vector<GradReducer::Collective> GradReducer::planReductions(const std::vector<Task>& tasks, at::ScalarType dtype,
+                                                                 int rank) {
+  std::vector<Collective> plan;
+  LaneScope scope(lanes_, Lane::ReduceScatter);
+  for (const Task& task : tasks) {
+    DSParam& param = registry_.get(task.id);
+    // Decided per task, in order: a parameter reduced twice in one window (two graphs, or
+    // two micro-steps) overwrites its target once and accumulates afterwards.
+    const bool accumulate = param.has_acc_grad;
+    param.has_acc_grad = true;
+    if (const Z3Layout* z3 = param.maybeZ3()) {
+      // Receive straight into the target when it can simply be overwritten.
+      const at::Tensor& target = param.grad_target;
+      const bool direct = !accumulate && target.scalar_type() == dtype;
+      at::Tensor recv = direct ? target.view({-1}) : at::empty({z3->ppr}, task.slot.options());
+      plan.push_back({task.slot, recv, -1, {&param, direct ? at::Tensor() : recv, accumulate}});
+    } else {
+      for (const OwnedRange& range : param.ownedRanges()) {
+        at::Tensor piece = task.slot.narrow(0, range.begin, range.numel());
+        Landing landing{nullptr, at::Tensor(), false};
+        if (range.owner == rank) landing = {&param, piece, accumulate};
+        plan.push_back({piece, at::Tensor(), range.owner, landing});
+      }
+    }
+  }
+  return plan;
+}
+
+void GradReducer::abandon() {
+  // Queued gradients belong to the failed step; the buckets may hold their half-filled slots.
+  tasks_.clear();
+  buckets_.clear();
+}
+
 void GradReducer::flush(at::ScalarType dtype) {
   auto it = tasks_.find(dtype);
   // Nothing queued for this dtype (e.g. a backward without reductions): nothing to do, and in
@@ -123,53 +157,44 @@ void GradReducer::flush(at::ScalarType dtype) {
   copyIntoSlots(dtype, tasks);
   lanes_.record(Lane::Copy)->blockStream(reduce_stream);
 
-  struct Landing {
-    DSParam* param;
-    at::Tensor received;  // where this rank's reduced piece arrived (undefined: in the target)
-    bool accumulate;      // add into the target instead of overwriting it
-  };
+  // Planned before the group opens: the receive temporaries are allocated here, so an
+  // allocation failure cannot leave a group half-issued.
+  std::vector<Collective> plan = planReductions(tasks, dtype, rank);
   std::vector<Landing> landings;
+  for (const Collective& c : plan) {
+    if (c.landing.param != nullptr) landings.push_back(c.landing);
+  }
   {
-    LaneScope scope(lanes_, Lane::ReduceScatter);
-    // The collectives average (NCCL inside the collective; gloo divides first): no separate
-    // division pass over the bucket.
-    comm_.beginGroup(Lane::ReduceScatter);
-    for (const Task& task : tasks) {
-      DSParam& param = registry_.get(task.id);
-      // Decided per task, in order: a parameter reduced twice in one window (two graphs, or
-      // two micro-steps) overwrites its target once and accumulates afterwards.
-      const bool accumulate = param.has_acc_grad;
-      param.has_acc_grad = true;
-      if (const Z3Layout* z3 = param.maybeZ3()) {
-        // Receive straight into the target when it can simply be overwritten.
-        const at::Tensor& target = param.grad_target;
-        const bool direct = !accumulate && target.scalar_type() == dtype;
-        at::Tensor recv = direct ? target.view({-1}) : at::empty({z3->ppr}, task.slot.options());
-        comm_.reduceScatter(task.slot, recv);
-        landings.push_back({&param, direct ? at::Tensor() : recv, accumulate});
-      } else {
-        for (const OwnedRange& range : param.ownedRanges()) {
-          at::Tensor piece = task.slot.narrow(0, range.begin, range.numel());
-          comm_.reduce(piece, range.owner);
-          if (range.owner == rank) landings.push_back({&param, piece, accumulate});
+    CommGroup group(comm_, Lane::ReduceScatter);
+    {
+      LaneScope scope(lanes_, Lane::ReduceScatter);
+      // The collectives average (NCCL inside the collective; gloo divides first): no separate
+      // division pass over the bucket.
+      for (const Collective& c : plan) {
+        if (c.root < 0) {
+          comm_.reduceScatter(c.send, c.recv);
+        } else {
+          comm_.reduce(c.send, c.root);
         }
       }
     }
+    group.end()->blockStream(reduce_stream);
   }
-  CompletionPtr reduced = comm_.endGroup();
-  reduced->blockStream(reduce_stream);
   if (replica_comm_ != nullptr && !landings.empty()) {
     // Hybrid sharding: the partition each rank received is the average over its shard group;
     // the same partition arrived on the rank of the same index in every other shard group, so
     // one all-reduce over those ranks completes the average over the world. Issued on the same
     // lane after the shard group's collectives (they wrote what it reads), before the landings
     // are added to accumulated targets. Every replica has the same landings in the same order.
-    LaneScope scope(lanes_, Lane::ReduceScatter);
-    replica_comm_->beginGroup(Lane::ReduceScatter);
-    for (const Landing& landing : landings) {
-      replica_comm_->allReduce(landing.received.defined() ? landing.received : landing.param->grad_target.view({-1}));
+    CommGroup group(*replica_comm_, Lane::ReduceScatter);
+    {
+      LaneScope scope(lanes_, Lane::ReduceScatter);
+      for (const Landing& landing : landings) {
+        replica_comm_->allReduce(landing.received.defined() ? landing.received
+                                                            : landing.param->grad_target.view({-1}));
+      }
     }
-    replica_comm_->endGroup()->blockStream(reduce_stream);
+    group.end()->blockStream(reduce_stream);
   }
   {
     LaneScope scope(lanes_, Lane::ReduceScatter);

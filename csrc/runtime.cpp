@@ -61,6 +61,31 @@ void Runtime::shutdown() {
   comm_.reset();
 }
 
+void Runtime::abortStep() {
+  // Nothing may still write the buffers dropped below: finish every lane's queued work and the
+  // collectives of groups that were aborted mid-way.
+  for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
+  for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
+    if (comm != nullptr) comm->settleAborted();
+  }
+  reducer_->abandon();
+  for (auto& kv : executors_) kv.second->abortStep();
+  registry_.forEachZ3([this](DSParam&, Z3Layout& z3) {
+    // Persistent buffers stay: a failed group already marked its own invalid, and the shards
+    // did not change. A non-persistent buffer was gathered for uses that will not run now.
+    if (!z3.persistent) freeGathered(*lanes_, z3);
+  });
+  // The failed window's targets may hold part of its gradients (flushed buckets): the next
+  // backward opens a new window, whose first reduction of each parameter overwrites its target.
+  registry_.forEach([](DSParam& p) {
+    p.has_acc_grad = false;
+    p.reduce_count = 0;
+    if (Z12Layout* z12 = p.maybeZ12()) z12->local_grad_acc = at::Tensor();
+  });
+  window_closed_ = true;
+  update_step_ = false;
+}
+
 void Runtime::checkDevice(const at::Tensor& tensor, const char* op, const char* what) const {
   TORCH_CHECK(tensor.defined(), "dc.", op, ": ", what, " is undefined");
   TORCH_CHECK(tensor.device().type() == device().type(), "dc.", op, ": ", what, " is on ", tensor.device(),

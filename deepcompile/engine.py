@@ -226,7 +226,11 @@ class Engine:
         self._watch("forward")
         self._enter(moment, "forward")
         with self._first_runs("forward", self._compiled is not None):
-            out = module(*args, **kwargs)
+            try:
+                out = module(*args, **kwargs)
+            except BaseException:
+                self._abort_step()
+                raise
         self._exit(moment, "forward")
         return out
 
@@ -250,6 +254,9 @@ class Engine:
                 if scale_wrt_gas:
                     scaled = scaled / self.gradient_accumulation_steps
                 scaled.backward()
+        except BaseException:
+            self._abort_step()
+            raise
         finally:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
@@ -258,6 +265,19 @@ class Engine:
         self._exit(moment, "backward")
         for hook in self._at["after_backward"]:
             hook(moment, loss)
+
+    def _abort_step(self) -> None:
+        """A forward or backward raised: leave the runtime clean for the next step (queued
+        reductions, release counts and gathered buffers of the failed step dropped) and restart
+        the accumulation window, whose gradients the runtime dropped with the failed micro-step's."""
+        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps
+        if not runtime.is_initialized():
+            return
+        try:
+            runtime.abort_step()
+        except Exception as cleanup_error:  # the caller must see the error that failed the step
+            warnings.warn(f"deepcompile: cleaning up after a failed step failed too: {cleanup_error}; the next step "
+                          "may fail", RuntimeWarning)
 
     def step(self) -> Optional[torch.Tensor]:
         """The optimizer step at an accumulation boundary (a no-op between). Returns the global

@@ -377,6 +377,23 @@ def start_backward(update: bool) -> None:
     _C.start_backward(bool(update))
 
 
+def abort_step() -> None:
+    """Abandon a step whose forward or backward raised part-way, so the next one starts clean:
+    waits for the lanes, drops queued gradient reductions, release counts and non-persistent
+    gathered buffers, and reopens the accumulation window (the failed window's gradients are
+    dropped). Local to this rank; the engine calls it before re-raising (docs/design/runtime.md,
+    "What happens on failure")."""
+    _C.abort_step()
+
+
+def _inject_fault(kind: str, n: int) -> None:
+    """TEST-ONLY: the ``n``-th ``kind`` event from now raises inside the runtime, once (``n=0``
+    disarms). ``kind``: ``"gather_alloc"`` (a gathered-buffer allocation) or ``"collective"`` (a
+    collective issued inside a communicator group). Counted per process; ranks that run the same
+    step hit it at the same point."""
+    _C._inject_fault(str(kind), int(n))
+
+
 def enable_profiling(enabled: bool) -> None:
     _C.enable_profiling(bool(enabled))
 

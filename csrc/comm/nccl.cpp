@@ -3,6 +3,7 @@
 // lets gathers and reductions overlap compute on dedicated streams. The price is that these
 // collectives are invisible to c10d's watchdog, so every NCCL result is checked here.
 #include <deepcompile/communicator.h>
+#include <deepcompile/fault_injection.h>
 #include <deepcompile/lanes.h>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -119,6 +120,17 @@ class NcclCommunicator final : public Communicator {
                   "AllReduce");
   }
 
+  void abortGroup() noexcept override {
+    if (!in_group_) return;
+    in_group_ = false;
+    // ncclGroupStart/End nest per thread: a group left open would swallow every later NCCL call
+    // of this thread into it. Ending it launches what was queued, which the other ranks may
+    // match (a failure every rank hits alike); the buffers involved were allocated on this lane,
+    // so the allocator reuses them only after those collectives. An error here is not actionable
+    // during unwinding; the next collective reports a broken communicator.
+    (void)ncclGroupEnd();
+  }
+
   CompletionPtr endGroup() override {
     TORCH_CHECK(in_group_, "deepcompile: endGroup without beginGroup");
     in_group_ = false;
@@ -133,9 +145,11 @@ class NcclCommunicator final : public Communicator {
     // Issued on the reduce lane, which must first see the host-to-device copy of `in`.
     lanes_.waitCompute(Lane::ReduceScatter);
     const CommBytes counted = bytes_;  // a control exchange: not part of the counted traffic
-    beginGroup(Lane::ReduceScatter);
-    allGather(in, out);
-    endGroup();
+    {
+      CommGroup group(*this, Lane::ReduceScatter);
+      allGather(in, out);
+      group.end();
+    }
     bytes_ = counted;
     lanes_.synchronize(Lane::ReduceScatter);
     at::Tensor host = out.cpu();
@@ -148,6 +162,7 @@ class NcclCommunicator final : public Communicator {
   ncclRedOp_t averageOp() const { return size_ == 1 ? ncclSum : ncclAvg; }
   void checkCall(const at::Tensor& a, const at::Tensor& b) const {
     TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup");
+    faultPoint(FaultKind::Collective, "an NCCL collective");
     TORCH_CHECK(a.is_cuda() && b.is_cuda(), "deepcompile: NCCL collectives need CUDA tensors");
     TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "deepcompile: NCCL collectives need contiguous tensors");
     TORCH_CHECK(a.scalar_type() == b.scalar_type(), "deepcompile: NCCL collective with mismatched dtypes ",

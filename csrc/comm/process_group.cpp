@@ -2,6 +2,7 @@
 // whatever must happen after the communication (copying back from an fp32 staging buffer,
 // taking this rank's chunk of an all-reduce) runs when the completion is first waited on.
 #include <deepcompile/communicator.h>
+#include <deepcompile/fault_injection.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -59,7 +60,7 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   void allGather(const at::Tensor& send, const at::Tensor& recv) override {
-    checkInGroup();
+    enterCollective("all-gather");
     TORCH_CHECK(recv.numel() == send.numel() * size(), "deepcompile: all-gather of ", send.numel(),
                 " elements per rank needs ", send.numel() * size(), " output elements, got ", recv.numel());
     trace("allgather", send.numel());
@@ -75,7 +76,7 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   void reduceScatter(const at::Tensor& send, const at::Tensor& recv) override {
-    checkInGroup();
+    enterCollective("reduce-scatter");
     TORCH_CHECK(send.numel() == recv.numel() * size(), "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size(), " input elements, got ", send.numel());
     trace("reduce-scatter", send.numel());
@@ -94,7 +95,7 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   void reduce(const at::Tensor& buffer, int root) override {
-    checkInGroup();
+    enterCollective("reduce");
     trace("reduce", buffer.numel());
     bytes_.reduce += nbytes(buffer);
     averageInPlace(buffer, [&](std::vector<at::Tensor>& tensors) {
@@ -106,7 +107,7 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   void allReduce(const at::Tensor& buffer) override {
-    checkInGroup();
+    enterCollective("all-reduce");
     trace("all-reduce", buffer.numel());
     bytes_.all_reduce += nbytes(buffer);
     averageInPlace(buffer, [&](std::vector<at::Tensor>& tensors) {
@@ -126,6 +127,39 @@ class ProcessGroupCommunicator final : public Communicator {
     return done;
   }
 
+  void abortGroup() noexcept override {
+    in_group_ = false;
+    // The collectives already issued may be matched by the other ranks (a failure every rank
+    // hits alike): they run to the end in gloo's threads. Their follow-up copies are dropped
+    // (what they would deliver belongs to the abandoned group); the works and their buffers are
+    // kept for settleAborted, so no wait happens during unwinding.
+    try {
+      for (auto& work : works_) aborted_.push_back(std::move(work));
+      for (auto& buffer : keep_alive_) aborted_keep_alive_.push_back(std::move(buffer));
+    } catch (...) {
+      // Out of memory while unwinding: the works are dropped unwaited; gloo's own references
+      // keep their buffers alive until they ran.
+    }
+    works_.clear();
+    then_.clear();
+    keep_alive_.clear();
+  }
+
+  void settleAborted() override {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works = std::move(aborted_);
+    std::vector<at::Tensor> buffers = std::move(aborted_keep_alive_);  // released once the works ran
+    aborted_.clear();
+    aborted_keep_alive_.clear();
+    for (auto& work : works) {
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        // Not rethrown: the step is being abandoned for the error that aborted the group.
+        std::fprintf(stderr, "[deepcompile rank %d] a collective of an aborted group failed: %s\n", rank(), e.what());
+      }
+    }
+  }
+
   std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override {
     trace("allgather-ints", static_cast<int64_t>(values.size()));
     at::Tensor in = at::tensor(values, at::kLong);
@@ -138,6 +172,11 @@ class ProcessGroupCommunicator final : public Communicator {
 
  private:
   void checkInGroup() const { TORCH_CHECK(in_group_, "deepcompile: collective issued outside beginGroup/endGroup"); }
+  // Every collective of a group starts here: the group must be open, and a test may make it fail.
+  void enterCollective(const char* what) const {
+    checkInGroup();
+    faultPoint(FaultKind::Collective, what);
+  }
   void divideBySize(const at::Tensor& t) const {
     if (size() > 1) t.div_(size());
   }
@@ -174,6 +213,8 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<std::function<void()>> then_;
   std::vector<at::Tensor> keep_alive_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> aborted_;  // issued in aborted groups (settleAborted)
+  std::vector<at::Tensor> aborted_keep_alive_;            // their buffers
 };
 
 }  // namespace

@@ -49,6 +49,21 @@ class Communicator {
   // buffer on every rank = average over ranks of buffer (in place).
   virtual void allReduce(const at::Tensor& buffer) = 0;
   virtual CompletionPtr endGroup() = 0;
+  // Closes a group that failed part-way (an exception between beginGroup and endGroup), so the
+  // next beginGroup works. What was issued may still run (other ranks may have issued the same
+  // collectives), but its results are not delivered: buffers it was to fill stay unfilled. Must
+  // not throw or block (it runs during unwinding). The default closes the group with endGroup
+  // and drops its completion; the real communicators override it.
+  virtual void abortGroup() noexcept {
+    try {
+      endGroup();
+    } catch (...) {
+      // Closing is all that matters here; the error that opened the unwind is the one reported.
+    }
+  }
+  // Waits for the collectives of aborted groups to finish (abort_step), ignoring their errors:
+  // the step they belonged to is being abandoned for an error the caller already has.
+  virtual void settleAborted() {}
 
   // Blocking exchange of a few host integers: returns size() * values.size() entries, rank-major.
   // Every rank must pass the same number of values.
@@ -62,6 +77,29 @@ class Communicator {
  protected:
   static int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
   CommBytes bytes_;
+};
+
+// RAII for a communicator group: opens it on construction; end() closes it normally, and a
+// destructor that runs before end() (an exception inside the group) aborts it instead. Without
+// this, one exception inside a group left the communicator "in a group" for good, and every later
+// collective failed with "communicator groups cannot nest".
+class CommGroup {
+ public:
+  CommGroup(Communicator& comm, Lane lane) : comm_(comm) { comm_.beginGroup(lane); }
+  ~CommGroup() {
+    if (open_) comm_.abortGroup();
+  }
+  CommGroup(const CommGroup&) = delete;
+  CommGroup& operator=(const CommGroup&) = delete;
+  // Closes the group; the completion covers every collective issued in it.
+  CompletionPtr end() {
+    open_ = false;  // endGroup leaves the group closed even when it throws
+    return comm_.endGroup();
+  }
+
+ private:
+  Communicator& comm_;
+  bool open_ = true;
 };
 
 std::unique_ptr<Communicator> makeProcessGroupCommunicator(

@@ -62,6 +62,8 @@ class CustomOpExecutor {
   virtual void endBackward(bool update_step) {}
   // True while a gather episode of `id` has releases outstanding in this graph.
   virtual bool holdsGather(DsId) const { return false; }
+  // abort_step: forget the per-step state of a step that failed part-way (release counts).
+  virtual void abortStep() {}
 
  protected:
   // The stage's handling of a checked gradient; by default it is queued for reduction at once.

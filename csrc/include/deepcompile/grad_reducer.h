@@ -29,6 +29,9 @@ class GradReducer {
   void flush(at::ScalarType dtype);
   void flushAll();
   void releaseBuckets();
+  // abort_step: drops every queued reduction and the buckets' contents (callers make sure no lane
+  // still works on them). The next backward starts with empty buckets.
+  void abandon();
   size_t pendingTasks() const;
   // Whether a queued reduction of `id` still waits for its flush (it writes the target the
   // registered parameter had when the gradient was handed over).
@@ -42,7 +45,22 @@ class GradReducer {
     at::Tensor slot;  // view into the current bucket, written on the copy lane
     at::Tensor grad;  // held until the flush copies it into the slot
   };
+  // Where a reduced gradient piece lands on this rank.
+  struct Landing {
+    DSParam* param;       // null: this rank receives nothing from the collective
+    at::Tensor received;  // where the reduced piece arrived (undefined: in the target)
+    bool accumulate;      // add into the target instead of overwriting it
+  };
+  // One collective of a flush: a reduce-scatter of `send` into `recv` (root < 0) or a reduce of
+  // `send` to rank `root`.
+  struct Collective {
+    at::Tensor send;
+    at::Tensor recv;
+    int root;
+    Landing landing;
+  };
   void copyIntoSlots(at::ScalarType dtype, std::vector<Task>& tasks);
+  std::vector<Collective> planReductions(const std::vector<Task>& tasks, at::ScalarType dtype, int rank);
   DSParamRegistry& registry_;
   Lanes& lanes_;
   Communicator& comm_;

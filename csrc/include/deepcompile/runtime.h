@@ -107,6 +107,14 @@ class Runtime {
   void setProfiling(bool enabled) { profiling_ = enabled; }
   bool profiling() const { return profiling_; }
 
+  // After a forward or backward raised (docs/design/runtime.md, "What happens on failure"):
+  // waits for every lane and for the collectives of aborted groups, drops queued gradient
+  // reductions and bucket contents, forgets release counts, frees non-persistent gathered
+  // buffers and reopens the accumulation window (the failed window's gradients are dropped), so
+  // the next step starts as if the failed one never ran. Not a collective: every rank that saw
+  // the error calls it.
+  void abortStep();
+
   // Waits for all in-flight work, then drops buffers and the communicator.
   void shutdown();
 

@@ -20,6 +20,9 @@ class Z3Executor : public CustomOpExecutor {
   void release(DsId id, int64_t n_users);
   void endBackward(bool update_step) override;
   bool holdsGather(DsId id) const override;
+  // A failed step's uses never reach their releases: without this, the next step's first
+  // release of such a parameter would count on from the old episode and free its buffer early.
+  void abortStep() override { releases_.clear(); }
 
  private:
   struct ReleaseCount {

@@ -1,0 +1,49 @@
+// TEST-ONLY fault injection: makes the Nth gathered-buffer allocation or the Nth collective
+// (counted from when it is armed) throw, so tests can prove that a failure inside a communicator
+// group leaves the runtime usable (docs/design/runtime.md, "What happens on failure"). Armed only
+// through deepcompile._C._inject_fault (deepcompile.runtime._inject_fault); unarmed, a fault point
+// is one relaxed atomic load. Header-only: the inline counters are shared by every translation
+// unit of the extension, the NCCL communicator's included.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+namespace deepcompile {
+
+enum class FaultKind : int { GatherAlloc = 0, Collective = 1 };
+inline constexpr int kNumFaultKinds = 2;
+
+inline const char* faultKindName(FaultKind kind) {
+  return kind == FaultKind::GatherAlloc ? "gather_alloc" : "collective";
+}
+
+// Countdown per kind: 0 = disarmed; n > 0 = the n-th fault point of that kind from now throws.
+inline std::array<std::atomic<int64_t>, kNumFaultKinds> g_fault_countdown{};
+
+inline FaultKind parseFaultKind(const std::string& name) {
+  if (name == "gather_alloc") return FaultKind::GatherAlloc;
+  TORCH_CHECK(name == "collective", "deepcompile: _inject_fault: unknown fault kind '", name,
+              "' (expected 'gather_alloc' or 'collective')");
+  return FaultKind::Collective;
+}
+
+// n >= 1 arms the kind (the n-th point from now throws, once); n == 0 disarms it.
+inline void armFault(FaultKind kind, int64_t n) {
+  TORCH_CHECK(n >= 0, "deepcompile: _inject_fault: n must be >= 0, got ", n);
+  g_fault_countdown[static_cast<int>(kind)].store(n, std::memory_order_relaxed);
+}
+
+// Called where a fault of `kind` could happen for real; throws when the armed countdown hits zero.
+inline void faultPoint(FaultKind kind, const char* where) {
+  std::atomic<int64_t>& countdown = g_fault_countdown[static_cast<int>(kind)];
+  if (countdown.load(std::memory_order_relaxed) <= 0) return;
+  if (countdown.fetch_sub(1, std::memory_order_relaxed) != 1) return;
+  TORCH_CHECK(false, "deepcompile: injected test fault (", faultKindName(kind), ") at ", where);
+}
+
+}  // namespace deepcompile
