@@ -90,6 +90,14 @@ class DeepCompileBackend:
         self.activations = activations
         compat.mark_ops_side_effectful(ops.SIDE_EFFECTFUL)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "DeepCompileBackend":
+        # A backend is one engine's (its runtime, schedule and process group): a copy would be
+        # another engine's worth of state, and a process group cannot be copied at all. Lightning
+        # deep-copies torch.compile's keyword arguments for every module it sees compiled
+        # (lightning.fabric.wrappers), only to pass them to torch.compile again: the backend itself
+        # is the right copy.
+        return self
+
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         # Dynamo keeps using ``gm`` after this returns: the template compiles a copy (it gains an
         # input), and another copy stays as captured, for other parameter positions.

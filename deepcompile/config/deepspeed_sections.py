@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from deepcompile.config.schema import Section, fixed_key, inert_key
+from deepcompile.config.schema import Section, fixed_key, inert_key, no_effect_key
 from deepcompile.config.validators import boolean, integer, optional, string
 
 
@@ -56,3 +56,16 @@ class HybridEngineConfig(Section):
     release_inference_cache: bool = inert_key("hybrid_engine.release_inference_cache", boolean, False)
     pin_parameters: bool = inert_key("hybrid_engine.pin_parameters", boolean, True)
     tp_gather_partition_size: int = inert_key("hybrid_engine.tp_gather_partition_size", integer(1), 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class AioConfig(Section):
+    """DeepSpeed's NVMe I/O settings: no NVMe offload here, so no value changes anything."""
+
+    _path = "aio"
+    block_size: int = no_effect_key("aio.block_size", integer(1), 1048576)
+    queue_depth: int = no_effect_key("aio.queue_depth", integer(1), 8)
+    single_submit: bool = no_effect_key("aio.single_submit", boolean, False)
+    overlap_events: bool = no_effect_key("aio.overlap_events", boolean, True)
+    thread_count: int = no_effect_key("aio.thread_count", integer(1), 1)
+    use_gds: bool = no_effect_key("aio.use_gds", boolean, False)

@@ -137,6 +137,10 @@ NO_EFFECT: Dict[str, str] = {
     "monitor_config": (
         "not a DeepSpeed key: DeepSpeed reads its monitors from the top-level tensorboard, wandb and csv_monitor "
         "sections and ignores this one (LLaMA-Factory's configs carry it), and so does deepcompile"),
+    **{f"aio.{name}": ("it tunes DeepSpeed's asynchronous NVMe I/O, used only to offload to NVMe, which deepcompile "
+                       "does not do (an offload device \"nvme\" is refused); Lightning's DeepSpeedStrategy always "
+                       "writes this section")
+       for name in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count", "use_gds")},
     "comms_config": (
         "not a DeepSpeed key: DeepSpeed's communication logger is the comms_logger section and it ignores this one "
         "(LLaMA-Factory's configs carry it), and so does deepcompile"),

@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from deepcompile.config import auto, rules, runtime_settings
 from deepcompile.config.batch import complete_batch_sizes
 from deepcompile.config.compile_section import CompileConfig
-from deepcompile.config.deepspeed_sections import (ActivationCheckpointingConfig, CsvMonitorConfig, HybridEngineConfig,
-                                                   TensorboardConfig, WandbConfig)
+from deepcompile.config.deepspeed_sections import (ActivationCheckpointingConfig, AioConfig, CsvMonitorConfig,
+                                                   HybridEngineConfig, TensorboardConfig, WandbConfig)
 from deepcompile.config.faults import FaultToleranceConfig
 from deepcompile.config.optim import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig, HF_FILLS
 from deepcompile.config.precision import Bf16Config, Fp16Config, communication_data_type
@@ -94,6 +94,8 @@ class Config(Section):
     wandb: WandbConfig = key(section(WandbConfig), factory=WandbConfig, doc="Only disabled.")
     hybrid_engine: HybridEngineConfig = key(section(HybridEngineConfig), factory=HybridEngineConfig,
                                             doc="Only disabled.")
+    aio: AioConfig = key(section(AioConfig), factory=AioConfig,
+                         doc="DeepSpeed's NVMe I/O settings: any valid values, no effect (no NVMe offload).")
     fault_tolerance: FaultToleranceConfig = key(
         section(FaultToleranceConfig), factory=FaultToleranceConfig,
         doc="What every rank does when another fails (deepcompile's section, not DeepSpeed's; docs/faults.md).")
@@ -154,7 +156,7 @@ class Config(Section):
 _SECTIONS = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": Bf16Config, "fp16": Fp16Config,
              "activation_checkpointing": ActivationCheckpointingConfig, "tensorboard": TensorboardConfig,
              "csv_monitor": CsvMonitorConfig, "wandb": WandbConfig, "hybrid_engine": HybridEngineConfig,
-             "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "fault_tolerance": FaultToleranceConfig}
+             "aio": AioConfig, "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "fault_tolerance": FaultToleranceConfig}
 
 
 def accepted_keys() -> List[str]:

@@ -943,16 +943,14 @@ def _documented_keys():
 
 
 def _code_keys():
+    from deepcompile.config.root import _SECTIONS as config_sections  # every section the top level reads
+
     keys = set()
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):
             name = prefix + f.name
-            sub = {"zero_optimization": ZeroConfig, "compile": CompileConfig, "bf16": Bf16Config, "fp16": Fp16Config,
-                   "activation_checkpointing": ActivationCheckpointingConfig, "tensorboard": TensorboardConfig,
-                   "csv_monitor": CsvMonitorConfig, "wandb": WandbConfig, "hybrid_engine": HybridEngineConfig,
-                   "optimizer": OptimizerConfig, "scheduler": SchedulerConfig,
-                   "fault_tolerance": FaultToleranceConfig}.get(name) if not prefix else None
+            sub = config_sections.get(name) if not prefix else None
             if sub is not None:
                 walk(sub, name + ".")
             else:

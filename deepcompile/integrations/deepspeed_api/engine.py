@@ -125,6 +125,12 @@ class OptimizerView:
         return self._engine.basic_optimizer.defaults
 
     @property
+    def state(self) -> Any:
+        """The optimizer state of the master shards this rank steps (DeepSpeed's ZeRO optimizers
+        expose their inner optimizer's the same way); Lightning moves it to the CPU at teardown."""
+        return self._engine.basic_optimizer.state
+
+    @property
     def overflow(self) -> bool:
         return bool(getattr(self._engine.optimizer, "overflow", False))
 

@@ -1,0 +1,76 @@
+"""Lightning's ``DeepSpeedStrategy`` fitting a tiny module on deepcompile (served as ``deepspeed``),
+run by tests/integrations/test_served_lightning.py under torchrun on gloo ranks.
+
+Lightning refuses any accelerator but CUDA in ``DeepSpeedStrategy.setup_environment`` (a check,
+nothing else: the strategy's config, ``deepspeed.initialize``, backward, step and teardown are the
+same on the CPU), so the worker's strategy skips only that check. After ``fit`` every rank gathers
+the parameters (``deepspeed.zero.GatheredParameters``) and rank 0 writes them to --out."""
+
+import deepcompile
+
+deepcompile.serve_as_deepspeed()  # before Lightning imports deepspeed
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
+from lightning.pytorch.strategies.parallel import ParallelStrategy  # noqa: E402
+
+STEPS, PER_RANK_BATCH, LR = 3, 4, 1e-2
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy minus its CUDA-only check."""
+
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    x, y = data()
+    module = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         strategy=CPUDeepSpeedStrategy(stage=args.stage, process_group_backend="gloo"))
+    # Each rank its own rows, dealt round robin (rows r, r + 2, ...): step k trains on rows
+    # 8k .. 8k + 7 over the two ranks, which is what the test's reference trains on.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    mine = torch.utils.data.TensorDataset(x[rank::world], y[rank::world])
+    loader = torch.utils.data.DataLoader(mine, batch_size=PER_RANK_BATCH)
+    trainer.fit(module, loader)
+    import deepspeed
+
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        state = {name: p.detach().clone() for name, p in module.named_parameters()}
+    if trainer.global_rank == 0:
+        torch.save({"state": state, "engine": type(trainer.strategy.model).__module__}, args.out)
+
+
+if __name__ == "__main__":
+    main()
