@@ -19,6 +19,7 @@ from deepcompile.integrations.deepspeed_api.accelerator import get_accelerator  
 from deepcompile.integrations.deepspeed_api.arguments import add_config_arguments  # noqa: F401
 from deepcompile.integrations.deepspeed_api.comm import init_distributed
 from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSpeedEngine
+from deepcompile.integrations.deepspeed_api.training_data import data_loader as training_data_loader
 
 # The DeepSpeed release whose interface this follows (transformers and accelerate gate features
 # on it); the local label says who implements it.
@@ -45,12 +46,15 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: Any = None, mpu: Any = None,
                dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
                mesh_param: Any = None, config_params: Any = None) -> Tuple[DeepSpeedEngine, Any, Any, Any]:
-    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, None, lr_scheduler)``, the
-    engine a :class:`DeepSpeedEngine` over :class:`deepcompile.Engine`."""
-    for name, value in (("training_data", training_data), ("mpu", mpu), ("mesh_param", mesh_param),
-                        ("collate_fn", collate_fn)):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, data loader, lr_scheduler)``,
+    the engine a :class:`DeepSpeedEngine` over :class:`deepcompile.Engine`, the loader built from
+    ``training_data`` (None without it, training_data.py)."""
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
         if value is not None:
             raise missing(f"deepspeed.initialize({name}=...)")
+    if collate_fn is not None and training_data is None:
+        raise ValueError("deepspeed.initialize(collate_fn=...) is the collate function of the loader built from "
+                         "training_data, which was not given")
     if args is not None and getattr(args, "deepspeed_config", None) and config is None and config_params is None:
         config = args.deepspeed_config
     # What DeepSpeed tolerates and deepcompile.initialize refuses (served_config.py): dotted
@@ -61,6 +65,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # No optimizer anywhere: an engine that only evaluates (a reference/teacher model, ZeRO
     # inference, Lightning's inference path with model_parameters=[]).
     inference = served_config.has_no_optimizer(cfg, optimizer, model_parameters, lr_scheduler)
+    if inference and training_data is not None:
+        raise ValueError("deepspeed.initialize(training_data=...) with no optimizer: the engine only evaluates a "
+                         "model that is never trained; build a DataLoader for the evaluation yourself")
     if served_config.zero_stage(cfg) == 0:
         if not inference:
             raise ValueError("deepspeed.initialize: ZeRO stage 0 (zero_optimization.stage 0, DeepSpeed's default "
@@ -104,7 +111,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     filled_sizes.say_unfilled(unfilled, engine.config, engine.rank)
     raw: Dict[str, Any] = cfg if isinstance(cfg, dict) else config.to_dict()
     wrapped = DeepSpeedEngine(engine, raw, inference_only=inference)
-    return wrapped, None if inference else wrapped.optimizer, None, engine.lr_scheduler
+    loader = None
+    if training_data is not None:
+        loader = training_data_loader(training_data, engine.config.train_micro_batch_size_per_gpu, collate_fn,
+                                      engine.device)
+    return wrapped, None if inference else wrapped.optimizer, loader, engine.lr_scheduler
 
 
 __getattr__ = module_getattr("deepspeed")
