@@ -39,6 +39,66 @@ TEST(Gather, SeveralParamsGoOutAsOneGroupInTheirDtypes) {
   EXPECT_EQ(b.z3().gather_done, nullptr);
 }
 
+namespace {
+
+// Two ranks' worth of tiling, like MirrorCommunicator, but the `fail_at`-th all-gather throws:
+// an error inside an open group. Records how each group ended.
+class FailingCommunicator final : public Communicator {
+ public:
+  explicit FailingCommunicator(int fail_at) : fail_at_(fail_at) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  const char* name() const override { return "failing"; }
+  void beginGroup(Lane) override {
+    TORCH_CHECK(!open, "groups cannot nest");
+    open = true;
+  }
+  void allGather(const at::Tensor& send, const at::Tensor& recv) override {
+    TORCH_CHECK(++gathers != fail_at_, "all-gather failed on purpose");
+    for (int r = 0; r < 2; ++r) recv.narrow(0, r * send.numel(), send.numel()).copy_(send.reshape({-1}));
+  }
+  void reduceScatter(const at::Tensor&, const at::Tensor&) override {}
+  void reduce(const at::Tensor&, int) override {}
+  void allReduce(const at::Tensor&) override {}
+  CompletionPtr endGroup() override {
+    open = false;
+    ++ended;
+    return readyCompletion();
+  }
+  void abortGroup() noexcept override {
+    open = false;
+    ++aborted;
+  }
+  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override { return values; }
+  bool open = false;
+  int gathers = 0, ended = 0, aborted = 0;
+
+ private:
+  int fail_at_;
+};
+
+}  // namespace
+
+// An exception inside a gather group aborts the group (the next one opens) and leaves no
+// parameter of it valid or holding a buffer: a wait must never return on an unfilled buffer.
+TEST(Gather, AFailedGroupIsAbortedAndLeavesNoParameterValid) {
+  auto lanes = makeHostLanes();
+  FailingCommunicator comm(/*fail_at=*/2);
+  DSParam a = z3Param(1, 3, 2, 1.5f), b = z3Param(2, 4, 2, 2.5f);
+  EXPECT_THROW(launchGathers(*lanes, comm, {&a.z3(), &b.z3()}, {at::kFloat, at::kFloat}), c10::Error);
+  EXPECT_EQ(comm.aborted, 1);
+  EXPECT_EQ(comm.ended, 0);
+  for (DSParam* p : {&a, &b}) {
+    EXPECT_FALSE(p->z3().valid) << "ds id " << p->id;
+    EXPECT_FALSE(p->z3().gathered.defined()) << "ds id " << p->id;
+    EXPECT_EQ(p->z3().gather_done, nullptr) << "ds id " << p->id;
+  }
+  launchGathers(*lanes, comm, {&a.z3()}, {at::kFloat});
+  EXPECT_EQ(comm.ended, 1);
+  EXPECT_TRUE(a.z3().valid);
+  EXPECT_TRUE(at::equal(a.gatheredView(), at::full({3}, 1.5f)));
+}
+
 TEST(Gather, PrivateCopyLeavesTheRegisteredBufferAlone) {
   auto lanes = makeHostLanes();
   MirrorCommunicator comm(0, 2);

@@ -121,6 +121,28 @@ TEST_F(RuntimeTest, ProfilingEndOfBackwardFlushesNothing) {
   EXPECT_EQ(rt->reducer().pendingTasks(), 0u);
 }
 
+// abort_step after a backward that failed part-way: its queued reductions are dropped, release
+// counts forgotten, gathered buffers freed, and the next backward opens a new window.
+TEST_F(RuntimeTest, AbortStepStartsTheNextStepClean) {
+  make(0, 1);
+  rt->registerZ3Params({{1, {2}, at::zeros({2}), at::empty({2}), false, std::nullopt}});
+  rt->registerGraph(1, {1}, 3);
+  rt->startBackward(false);
+  rt->executor(1, "test").reduceGrad(at::ones({2}), 1, "test");
+  Z3Executor& ex = rt->z3Executor(1, "test");
+  ex.allgather(1, std::nullopt);
+  ex.release(1, 3);  // the first of three uses; the step fails before the others
+  EXPECT_EQ(rt->reducer().pendingTasks(), 1u);
+  rt->abortStep();
+  EXPECT_EQ(rt->reducer().pendingTasks(), 0u);
+  EXPECT_EQ(rt->reducer().bucketNumel(), 0);
+  EXPECT_FALSE(ex.holdsGather(1));
+  EXPECT_FALSE(rt->registry().get(1).z3("test").isGathered());
+  EXPECT_EQ(rt->registry().get(1).reduce_count, 0);
+  rt->startBackward(false);  // a new window: the first reduction overwrites the target
+  EXPECT_FALSE(rt->registry().get(1).has_acc_grad);
+}
+
 // The ZeRO-3 control calls name the id and both stages for a ZeRO-1/2 parameter; the calls over
 // all parameters only visit ZeRO-3 ones.
 TEST_F(RuntimeTest, Zero3ControlCallsRejectZero12Params) {
