@@ -35,6 +35,7 @@ _MODULES: Dict[str, str] = {
     "deepspeed.runtime.lr_schedules": _PACKAGE + ".runtime.lr_schedules",
     "deepspeed.runtime.zero": _PACKAGE + ".runtime.zero",
     "deepspeed.runtime.zero.partition_parameters": _PACKAGE + ".runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.offload_config": _PACKAGE + ".runtime.zero.offload_config",
     "deepspeed.runtime.engine": _PACKAGE + ".runtime.engine",
     "deepspeed.runtime.base_optimizer": _PACKAGE + ".runtime.base_optimizer",
     "deepspeed.runtime.fp16": _PACKAGE + ".runtime.fp16",

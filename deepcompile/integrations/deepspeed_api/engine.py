@@ -29,6 +29,7 @@ import torch.nn as nn
 from deepcompile.engine import CompiledAs, Engine
 from deepcompile.integrations.deepspeed_api import run_summary
 from deepcompile.integrations.deepspeed_api._missing import missing
+from deepcompile.integrations.deepspeed_api.offload_states import StateOffload
 from deepcompile.integrations.deepspeed_api.parameter_offload import ParameterOffload
 
 
@@ -143,6 +144,14 @@ class OptimizerView:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are the engine's, cleared by its step: nothing to do (as DeepSpeed)."""
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's ``optimizer.offload_states``: the engine's (offload_states.py)."""
+        self.states.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.states.reload(non_blocking)
+
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("the optimizer deepspeed.initialize returned steps through engine.step() "
                            "(accelerate and Trainer call it for you)")
@@ -159,6 +168,9 @@ class DeepSpeedEngine(nn.Module):
         self.module = engine.module
         self.config = config  # the dict as given (Trainer reads config["zero_optimization"]["stage"])
         self._optimizer_view = OptimizerView(engine)
+        self._backward_awaits_step = False  # a boundary backward ran; its optimizer step has not
+        self._states = StateOffload(engine, self._micro_steps_waiting)
+        self._optimizer_view.states = self._states
         self._backend_asked: Optional[str] = None  # compile(backend=...) of the caller (accelerate)
         self._advanced_in_backward = False
         self._step_applied = False  # was_step_applied(): the last step() updated the parameters
@@ -181,6 +193,7 @@ class DeepSpeedEngine(nn.Module):
     # ---- training -----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._states.refuse_while_offloaded("forward")
         if self.module.training and torch.is_grad_enabled():
             if not self._took_over_compile:
                 self._first_training_forward()
@@ -198,9 +211,11 @@ class DeepSpeedEngine(nn.Module):
             raise missing("DeepSpeedEngine.backward(retain_graph=True)")
         if kwargs:
             raise missing(f"DeepSpeedEngine.backward arguments {sorted(kwargs)}")
+        self._states.refuse_while_offloaded("backward")
         # scale_wrt_gas=False (Trainer): the caller already divided by the accumulation steps.
         self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._advanced_in_backward = not self.engine.is_gradient_accumulation_boundary()
+        self._backward_awaits_step = not self._advanced_in_backward
         if self._advanced_in_backward:
             self.engine.step()  # not a boundary: only counts the micro-step
         return loss
@@ -210,7 +225,9 @@ class DeepSpeedEngine(nn.Module):
             raise RuntimeError(_INFERENCE_ONLY.format("step"))
         if lr_kwargs is not None:
             raise missing("DeepSpeedEngine.step(lr_kwargs=...)")
+        self._states.refuse_while_offloaded("step")
         self._step_applied = False  # as DeepSpeed: True only after an optimizer step that was not skipped
+        self._backward_awaits_step = False
         if self._advanced_in_backward:
             self._advanced_in_backward = False
             self.tput_timer.stop(global_step=False)
@@ -227,6 +244,22 @@ class DeepSpeedEngine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
+
+    # ---- training state off the device between phases (colocated RL: offload_states.py) ----------
+
+    def _micro_steps_waiting(self) -> int:
+        engine = self.engine
+        return engine.micro_steps % engine.gradient_accumulation_steps + int(self._backward_awaits_step)
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        self._states.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._states.reload(non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        self._states.empty_partition_cache()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self.engine.boundary_override = bool(is_boundary)

@@ -72,6 +72,13 @@ class FrozenEngine(DeepSpeedEngine):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to clear: nothing here trains."""
 
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"DeepSpeedEngine.offload_states: {self._refusal} (no optimizer or master state to "
+                           "offload; move the module itself if its parameters must leave the device)")
+
+    def reload_states(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"DeepSpeedEngine.reload_states: {self._refusal}")
+
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Frozen engines run eagerly (the served initialize compiles training engines only);
         the call is accepted so that a caller compiling every engine it holds keeps working."""
