@@ -39,12 +39,17 @@ def main() -> None:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    # With beta > 0 GRPO builds its reference model from the policy's path (a model given as an
+    # object has none): both come from save_pretrained files, the reference a frozen ZeRO-3
+    # engine beside the trained one. Each rank writes its own copy (the same weights).
+    path = os.path.join(args.output_dir, f"init-rank{os.environ.get('RANK', '0')}")
+    build_model(seed=0).save_pretrained(path)  # before GRPOConfig: not inside the served zero.Init
     config = GRPOConfig(output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=2,
                         num_generations=2, max_completion_length=4, learning_rate=1e-2, max_steps=2,
                         logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, bf16=False,
-                        beta=0.0)
+                        beta=0.04)
     prompts = {"prompt": [" ".join(f"t{1 + (k + i) % (VOCAB - 1)}" for i in range(4)) for k in range(8)]}
-    trainer = GRPOTrainer(model=build_model(seed=0), reward_funcs=reward_len, args=config,
+    trainer = GRPOTrainer(model=path, reward_funcs=reward_len, args=config,
                           train_dataset=Dataset.from_dict(prompts), processing_class=tiny_tokenizer())
 
     counts = {"generate_calls": 0, "eager_gathers_in_generate": 0, "full_finite_weights": True,
@@ -80,7 +85,8 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(args.out, "w") as f:
             json.dump({"log_history": trainer.state.log_history, "counts": counts,
-                       "stage": trainer.model_wrapped.zero_optimization_stage()}, f)
+                       "stage": trainer.model_wrapped.zero_optimization_stage(),
+                       "ref_engine": type(trainer.ref_model).__module__}, f)
 
 
 if __name__ == "__main__":

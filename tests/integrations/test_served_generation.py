@@ -1,5 +1,5 @@
-"""Generation inside a ZeRO-3 training run (issue 41): TRL's GRPOTrainer, whose every rollout goes
-through ``unwrap_model_for_generation`` (a whole-model ``GatheredParameters`` with DeepSpeed's
+"""Generation inside a ZeRO-3 training run (issue 41): TRL's GRPOTrainer (with a reference model,
+beta > 0), whose every rollout goes through ``unwrap_model_for_generation`` (a whole-model ``GatheredParameters`` with DeepSpeed's
 module hooks removed through ``engine.optimizer.parameter_offload`` and put back after), served by
 deepcompile on two gloo ranks. Before ``parameter_offload`` was served the run failed at the
 first rollout (``'OptimizerView' object has no attribute 'module'``)."""
@@ -34,3 +34,9 @@ def test_grpo_trainer_generates_under_zero3(tmp_path):
     assert counts["full_finite_weights"] and counts["hooks_suspended_in_generate"], counts
     assert counts["eager_gathers_in_generate"] == 0, counts
     assert counts["hooks_suspended_after"] is False, counts  # add_hooks put them back for training
+    # beta > 0: the reference model, loaded from the policy's files, is the frozen ZeRO-3 engine
+    # (no second deepcompile engine beside the trained one), and the KL term is computed against
+    # it: zero before the first update (same weights), positive once the policy moved.
+    assert out["ref_engine"].endswith("frozen_zero3"), out["ref_engine"]
+    kl = [e["kl"] for e in steps]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 0, kl
