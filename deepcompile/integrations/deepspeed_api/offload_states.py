@@ -118,8 +118,10 @@ class StateOffload:
             host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin)
             host.copy_(source, non_blocking=non_blocking and pin)
             moved.append(_Moved(storage, host))
-        # Shrinking a storage frees its block at once; the copies above were queued on the same
-        # stream, so the allocator hands the block out only to work ordered after them.
+        # Shrinking a storage frees its block at once. The allocator hands it out again to work on
+        # any stream (the runtime's lanes included), so asynchronous copies must have read it first.
+        if non_blocking and pin:
+            torch.cuda.current_stream(self._engine.device).synchronize()
         for m in moved:
             m.storage.resize_(0)
         if self._engine.stage == 3 and OffloadStateTypeEnum.lp_params in kinds:
