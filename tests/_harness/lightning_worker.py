@@ -18,7 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
 from lightning.pytorch.strategies.parallel import ParallelStrategy  # noqa: E402
 
-STEPS, PER_RANK_BATCH, LR = 3, 4, 1e-2
+from lightning_case import LR, PER_RANK_BATCH, STEPS, build_net, data  # noqa: E402  (this folder is on sys.path)
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
@@ -31,8 +31,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 class Tiny(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.net = build_net()
 
     def training_step(self, batch, index):
         x, y = batch
@@ -40,11 +39,6 @@ class Tiny(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR)
-
-
-def data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ WORLD = 2
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lightning_deepspeed_strategy_fit(tmp_path, stage):
     pytest.importorskip("lightning")
-    from _harness import lightning_worker as w
+    from _harness import lightning_case as w  # not the worker: it serves deepspeed at import
 
     out = tmp_path / "state.pt"
     hf_launch.torchrun(str(paths.TESTS / "_harness" / "lightning_worker.py"),
@@ -26,12 +26,12 @@ def test_lightning_deepspeed_strategy_fit(tmp_path, stage):
     # The reference: one process, the same model, each step on the two ranks' batches together
     # (Lightning's distributed sampler deals rows round robin; the ranks' mean losses are averaged).
     x, y = w.data()
-    reference = w.Tiny()
+    reference = w.build_net()
     opt = torch.optim.AdamW(reference.parameters(), lr=w.LR)
     step_rows = WORLD * w.PER_RANK_BATCH
     for step in range(w.STEPS):
         rows = slice(step * step_rows, (step + 1) * step_rows)
-        loss = torch.nn.functional.mse_loss(reference.net(x[rows]), y[rows])
+        loss = torch.nn.functional.mse_loss(reference(x[rows]), y[rows])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -39,4 +39,4 @@ def test_lightning_deepspeed_strategy_fit(tmp_path, stage):
     # averaged against one mean over eight rows): a few ulps per step, far below one step's update
     # (lr 1e-2, AdamW moves every weight by about 1e-2 per step).
     for name, value in reference.named_parameters():
-        torch.testing.assert_close(got["state"][name], value.detach(), rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["state"]["net." + name], value.detach(), rtol=0, atol=1e-5, msg=name)

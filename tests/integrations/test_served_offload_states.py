@@ -25,11 +25,11 @@ def _batches():
 
 
 def _body(ctx, stage):
-    import deepcompile
-
-    deepcompile.serve_as_deepspeed()
-    import deepspeed
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    # The served package itself, not serve_as_deepspeed(): the pool's worker processes are shared
+    # with tests that imported transformers already.
+    from deepcompile.integrations import deepspeed_api as deepspeed
+    from deepcompile.integrations.deepspeed_api.runtime.zero.offload_config import (OffloadDeviceEnum,
+                                                                                   OffloadStateTypeEnum)
 
     model = _model()
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},

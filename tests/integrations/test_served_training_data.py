@@ -30,10 +30,9 @@ def _collate(rows):
 
 
 def _body(ctx):
-    import deepcompile
-
-    deepcompile.serve_as_deepspeed()
-    import deepspeed
+    # The served package itself, not serve_as_deepspeed(): the pool's worker processes are shared
+    # with tests that imported transformers already.
+    from deepcompile.integrations import deepspeed_api as deepspeed
 
     with pytest.raises(ValueError, match="collate_fn"):
         deepspeed.initialize(model=_model(), collate_fn=_collate, config={"train_micro_batch_size_per_gpu": 1})
