@@ -49,6 +49,22 @@ def torchrun(script: str, args: Sequence[str], nproc: int = 2, env: Optional[Dic
     return run_checked(cmd, env=launch_env(env), cwd=cwd)
 
 
+def run_trl_worker(worker: str, tmp_path: Any, nproc: int = 2) -> Any:
+    """Runs a TRL worker of tests/_harness (``--deepspeed``, ``--output-dir``, ``--out``) under
+    torchrun with examples/ds_config_zero3.json compiled by the eager backend; returns what rank 0
+    wrote to --out."""
+    with open(os.path.join(EXAMPLES, "ds_config_zero3.json")) as f:
+        config = json.load(f)
+    config["compile"] = {"backend": "eager"}
+    ds_config = os.path.join(str(tmp_path), "ds_config.json")
+    with open(ds_config, "w") as f:
+        json.dump(config, f)
+    out = os.path.join(str(tmp_path), "out.json")
+    torchrun(os.path.join(os.path.dirname(os.path.abspath(__file__)), worker),
+             ["--deepspeed", ds_config, "--output-dir", os.path.join(str(tmp_path), "o"), "--out", out], nproc=nproc)
+    return read_json(out)
+
+
 def run_checked(cmd: List[str], env: Dict[str, str], cwd: Optional[str] = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=cwd or ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if proc.returncode != 0:

@@ -240,19 +240,9 @@ def test_zero3_reference_beside_trained_engine():
 def test_dpo_trainer_zero3_reference_model(tmp_path):
     """TRL's DPOTrainer with a reference model, ZeRO-3, two gloo ranks under torchrun, 2 steps."""
     pytest.importorskip("trl")
-    import json
+    from _harness import hf_launch
 
-    from _harness import hf_launch, paths
-
-    with open(f"{hf_launch.EXAMPLES}/ds_config_zero3.json") as f:
-        config = json.load(f)
-    config["compile"] = {"backend": "eager"}
-    ds_config = tmp_path / "ds_config.json"
-    ds_config.write_text(json.dumps(config))
-    hf_launch.torchrun(str(paths.TESTS / "_harness" / "hf_dpo_worker.py"),
-                       ["--deepspeed", str(ds_config), "--output-dir", str(tmp_path / "o"),
-                        "--out", str(tmp_path / "out.json")], nproc=WORLD)
-    out = hf_launch.read_json(tmp_path / "out.json")
+    out = hf_launch.run_trl_worker("hf_dpo_worker.py", tmp_path, nproc=WORLD)
     assert out["ref_engine"] == "FrozenZero3Engine" and out["ref_stage"] == 3  # a DeepSpeedEngine, no runtime
     steps = [e for e in out["log_history"] if "loss" in e]
     assert len(steps) == 2 and all(e["grad_norm"] > 0 for e in steps)

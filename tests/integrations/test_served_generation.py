@@ -4,26 +4,16 @@ module hooks removed through ``engine.optimizer.parameter_offload`` and put back
 deepcompile on two gloo ranks. Before ``parameter_offload`` was served the run failed at the
 first rollout (``'OptimizerView' object has no attribute 'module'``)."""
 
-import json
-
 import pytest
 
-from _harness import hf_launch, paths
+from _harness import hf_launch
 
 WORLD = 2
 
 
 def test_grpo_trainer_generates_under_zero3(tmp_path):
     pytest.importorskip("trl")
-    with open(f"{hf_launch.EXAMPLES}/ds_config_zero3.json") as f:
-        config = json.load(f)
-    config["compile"] = {"backend": "eager"}
-    ds_config = tmp_path / "ds_config.json"
-    ds_config.write_text(json.dumps(config))
-    hf_launch.torchrun(str(paths.TESTS / "_harness" / "hf_grpo_worker.py"),
-                       ["--deepspeed", str(ds_config), "--output-dir", str(tmp_path / "o"),
-                        "--out", str(tmp_path / "out.json")], nproc=WORLD)
-    out = hf_launch.read_json(tmp_path / "out.json")
+    out = hf_launch.run_trl_worker("hf_grpo_worker.py", tmp_path, nproc=WORLD)
     counts = out["counts"]
     assert out["stage"] == 3
     steps = [e for e in out["log_history"] if "loss" in e]
