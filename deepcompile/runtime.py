@@ -145,6 +145,8 @@ def init(
     config = config if config is not None else RuntimeConfig()
     device_type = _device_type_for(group, device)
     device_index = torch.cuda.current_device() if device_type == "cuda" else -1
+    global _DEVICE
+    _DEVICE = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     _C.init(
         group,
         device_type,
@@ -198,6 +200,17 @@ atexit.register(_cleanup_at_exit)
 
 def is_initialized() -> bool:
     return _C.is_initialized()
+
+
+# The device of the last init (its lanes, gathered buffers and shards live there).
+_DEVICE: Optional[torch.device] = None
+
+
+def device() -> torch.device:
+    """The device the runtime was initialized for."""
+    if _DEVICE is None or not _C.is_initialized():
+        raise RuntimeError("deepcompile.runtime.device: the runtime is not initialized")
+    return _DEVICE
 
 
 def built_with_nccl() -> Optional[bool]:

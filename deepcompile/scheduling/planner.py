@@ -6,8 +6,10 @@ of collectives must match on all ranks, or they hang.
 
 Prefetch (per graph). The graph's ``allgather_param`` nodes, in order, are cut into fused groups.
 With a communication model, a gather joins the open group while fusing is nearly free: the fused
-gather must take less than ``FUSE_SLACK`` times the longer of the two alone (latency-bound sizes),
-and the group stays within ``max_group_numel`` elements. Without a model, groups are filled up to
+gather must take less than ``FUSE_SLACK`` times the longer of the two alone plus what a separate
+launch would cost (``GROUP_LAUNCH_MS``: latency-bound sizes, and sizes a fast link moves in less
+time than the runtime needs to launch them), and the group stays within ``max_group_numel``
+elements. Without a model, groups are filled up to
 ``max_group_numel``. Each group ``k >= 1`` is launched at the start of group ``k - 1`` (group 0 at
 the head of the graph), so it travels while the previous group computes, but only if the memory
 profiled over that window plus the group's bytes stays within the budget; otherwise it is
@@ -42,8 +44,17 @@ from deepcompile.profiling.comm_model import CommModel
 from deepcompile.profiling.graph_profiler import GraphProfile
 
 
-# Fuse two gathers while the fused one costs less than this factor times the longer of the two.
+# Fuse two gathers while the fused one costs less than this factor times the longer of the two,
+# plus GROUP_LAUNCH_MS.
 FUSE_SLACK = 1.2
+# What one more prefetch group costs beyond the bytes it moves: the runtime's host work per
+# launch (op dispatch, opening and closing the communicator group, the events its waits use) and
+# the collective's own launch. The measured all-gather curve holds only the second. Without this
+# term a fast link made every gather of a 1B model "bandwidth-bound": 163 groups a step through
+# Trainer against 41 in a run whose measured latency floor happened to be higher (2 x H200,
+# 2026-11-28), in a step whose forward is host-bound. An estimate from those traces
+# (``prefetch_params_fused`` took 125 us of host time per call, most of it per parameter).
+GROUP_LAUNCH_MS = 0.05
 
 
 @dataclasses.dataclass
@@ -132,7 +143,7 @@ def _fuse(gathers: Sequence[Gather], max_group_numel: int, comm: Optional[CommMo
         fits = bool(groups) and numel + g.numel <= max(max_group_numel, 1)
         if fits and comm is not None:
             fused = comm.predict_ms(nbytes + g.nbytes)
-            fits = fused <= FUSE_SLACK * max(comm.predict_ms(nbytes), comm.predict_ms(g.nbytes))
+            fits = fused <= FUSE_SLACK * max(comm.predict_ms(nbytes), comm.predict_ms(g.nbytes)) + GROUP_LAUNCH_MS
         if fits:
             groups[-1].append(g)
             numel += g.numel

@@ -18,9 +18,9 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Set
 import torch
 import torch.nn as nn
 
-from deepcompile import compat, debug_checks, ops
+from deepcompile import compat, debug_checks, ops, runtime
 from deepcompile.zero import leaf_modules
-from deepcompile.zero.partition import ShardedParam
+from deepcompile.zero.partition import ShardedParam, make_placeholder
 
 # Graph id of the executor that serves eager gathers and reductions; compiled graphs get ids >= 1.
 EAGER_GRAPH_ID = 0
@@ -31,7 +31,12 @@ def gather_full_copy(placeholder: torch.Tensor, ds_id: int) -> torch.Tensor:
 
     A copy, because the caller may keep it (autograd until backward, a state dict for good) long
     after the runtime's buffer is released, or re-filled for persistent parameters.
+    The placeholder gives only shape and dtype: one a module move left on another device
+    (Lightning's teardown calls ``module.cpu()``) is replaced by one on the runtime's device.
     """
+    device = runtime.device()
+    if placeholder.device != device:
+        placeholder = make_placeholder(placeholder.shape, placeholder.dtype, device)
     gathered = ops.allgather_param(placeholder, EAGER_GRAPH_ID, ds_id)
     gathered = ops.wait_allgather(gathered, EAGER_GRAPH_ID, ds_id)
     full = gathered.detach().clone()

@@ -1,5 +1,6 @@
 """Lightning's ``DeepSpeedStrategy`` fitting a tiny module on deepcompile (served as ``deepspeed``),
-run by tests/integrations/test_served_lightning.py under torchrun on gloo ranks.
+run by tests/integrations/test_served_lightning.py under torchrun on gloo ranks (or, with
+``--accelerator cuda``, on NCCL with Lightning's unmodified strategy).
 
 Lightning refuses any accelerator but CUDA in ``DeepSpeedStrategy.setup_environment`` (a check,
 nothing else: the strategy's config, ``deepspeed.initialize``, backward, step and teardown are the
@@ -45,12 +46,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: Lightning's own DeepSpeedStrategy on NCCL, one GPU per rank")
     args = p.parse_args()
     x, y = data()
     module = Tiny()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         strategy=CPUDeepSpeedStrategy(stage=args.stage, process_group_backend="gloo"))
+    strategy = (DeepSpeedStrategy(stage=args.stage) if args.accelerator == "cuda"
+                else CPUDeepSpeedStrategy(stage=args.stage, process_group_backend="gloo"))
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=2, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, strategy=strategy)
     # Each rank its own rows, dealt round robin (rows r, r + 2, ...): step k trains on rows
     # 8k .. 8k + 7 over the two ranks, which is what the test's reference trains on.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -61,7 +66,7 @@ def main() -> None:
 
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params):
-        state = {name: p.detach().clone() for name, p in module.named_parameters()}
+        state = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
     if trainer.global_rank == 0:
         torch.save({"state": state, "engine": type(trainer.strategy.model).__module__}, args.out)
 

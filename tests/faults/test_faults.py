@@ -505,3 +505,48 @@ def test_no_kill_point_is_left_armed_for_later_tests():
     from deepcompile.faults import injection
 
     assert injection.ENV not in os.environ
+
+
+class _CountingStore:
+    """A HashStore that counts its writes."""
+
+    def __init__(self):
+        self.inner, self.sets = dist.HashStore(), 0
+
+    def set(self, key, value):
+        self.sets += 1
+        self.inner.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_phase_changes_publish_at_most_every_gap_and_the_heartbeat_carries_the_last_phase():
+    """Three phases a step woke the monitor thread three times a step (GIL hand-offs in a
+    host-bound step). A burst of phase changes now publishes at most once per
+    PHASE_PUBLISH_GAP_S, and the next heartbeat publishes the phase the rank is in."""
+    from deepcompile.faults.status import RankStatus
+    from deepcompile.faults.watchdog import PHASE_PUBLISH_GAP_S
+
+    store = _CountingStore()
+    timeout_s = 3.0  # heartbeat interval 0.3 s
+    watchdog = _watchdog(store, 0, timeout_s, [], io.StringIO()).start()
+    try:
+        time.sleep(0.1)
+        before, start = store.sets, time.monotonic()
+        steps = 0
+        while time.monotonic() - start < 0.6:
+            for phase in ("forward", "backward", "step"):
+                watchdog.enter(phase, steps)
+            steps += 1
+            time.sleep(0.002)
+        elapsed = time.monotonic() - start
+        published = store.sets - before
+        # Waking at every phase would publish about once per enter (hundreds here).
+        assert steps > 100 and published <= elapsed / PHASE_PUBLISH_GAP_S + 2 + elapsed / watchdog.interval, \
+            (steps, published)
+        watchdog.enter("save_checkpoint", 41)
+        assert _wait_for(lambda: RankStatus.decode(store.get("deepcompile/faults/unit/0")).phase == "save_checkpoint",
+                         limit_s=2 * watchdog.interval + 1.0)
+    finally:
+        watchdog.stop()

@@ -38,13 +38,14 @@ class Tiny(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _models():
-    """The model to wrap and an identical plain copy (the same on every rank)."""
+def _models(device=None):
+    """The model to wrap and an identical plain copy (the same on every rank), the copy on
+    ``device`` (the test's device: DeepSpeed places the wrapped model there itself)."""
     torch.manual_seed(0)
     model = Tiny()
     plain = Tiny()
     plain.load_state_dict(model.state_dict())
-    return model, plain
+    return model, plain.to(device or "cpu")
 
 
 def _training_config(stage):
@@ -89,9 +90,9 @@ def _trl_reference(model, stage):
     return engine, [str(w.message) for w in caught]
 
 
-def _check_frozen(engine, plain, rank):
+def _check_frozen(engine, plain, rank, device):
     """Forward equals the plain model's; training is refused with a message."""
-    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)).to(device)
     assert not engine.training
     with torch.no_grad():
         torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
@@ -103,21 +104,21 @@ def _check_frozen(engine, plain, rank):
 
 
 def _trl_stage0_body(ctx):
-    model, plain = _models()
+    model, plain = _models(ctx.device)
     engine, said = _trl_reference(model, stage=2)
     from deepcompile.integrations.deepspeed_api import DeepSpeedEngine
 
     assert isinstance(engine, DeepSpeedEngine)  # accelerate unwraps by this type
     assert engine.module is model and engine.zero_optimization_stage() == 0 and not engine.zero_optimization()
-    assert engine.config["zero_optimization"]["stage"] == 0 and engine.device == torch.device("cpu")
+    assert engine.config["zero_optimization"]["stage"] == 0 and engine.device.type == ctx.device.type
     assert [p.data_ptr() for p in engine.parameters()] == [p.data_ptr() for p in model.parameters()]
     assert engine.optimizer is None and not engine.bfloat16_enabled()
     assert not said, said
-    _check_frozen(engine, plain, ctx.rank)
+    _check_frozen(engine, plain, ctx.rank, ctx.device)
 
 
 def _trl_zero3_body(ctx):
-    model, plain = _models()
+    model, plain = _models(ctx.device)
     engine, said = _trl_reference(model, stage=3)
     assert engine.zero_optimization_stage() == 3
     # TRL's three dotted keys: ignored, with one warning naming them.
@@ -126,13 +127,13 @@ def _trl_zero3_body(ctx):
     assert not any("." in k for k in engine.config)
     # Partitioned without deepcompile's engine (frozen_zero3.py): nothing compiled, no runtime.
     assert type(engine).__name__ == "FrozenZero3Engine" and engine.zero_optimization()
-    _check_frozen(engine, plain, ctx.rank)
+    _check_frozen(engine, plain, ctx.rank, ctx.device)
 
 
 def _lightning_body(ctx, stage):
     from deepcompile.integrations import deepspeed_api
 
-    model, plain = _models()
+    model, plain = _models(ctx.device)
     config = {"train_micro_batch_size_per_gpu": 1, "compile": {"backend": "eager"}}
     if stage:
         config["zero_optimization"] = {"stage": stage}
@@ -142,7 +143,7 @@ def _lightning_body(ctx, stage):
     assert optimizer is None and scheduler is None
     assert engine.zero_optimization_stage() == stage
     engine.eval()
-    _check_frozen(engine, plain, ctx.rank)
+    _check_frozen(engine, plain, ctx.rank, ctx.device)
 
 
 def _refusals_body(ctx):
@@ -163,11 +164,11 @@ def _refusals_body(ctx):
     # The same at ZeRO-3, where each rank holds bf16 shards and gathers them per module.
     from deepcompile.integrations.deepspeed_api.frozen_shards import shard_of
 
-    model, plain = _models()
+    model, plain = _models(ctx.device)
     engine, *_ = deepspeed_api.initialize(model=model, config={"bf16": {"enabled": True},
                                                                "zero_optimization": {"stage": 3}})
     assert engine.bfloat16_enabled() and {shard_of(p).local.dtype for p in model.parameters()} == {torch.bfloat16}
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, device=ctx.device)
     torch.testing.assert_close(engine(x.bfloat16()), plain.bfloat16()(x.bfloat16()), rtol=0, atol=0)
 
 
@@ -213,7 +214,7 @@ def test_stage0_training_refused_and_bf16_cast():
 def _two_zero3_engines_body(ctx):
     from deepcompile.integrations import deepspeed_api
 
-    policy, plain = _models()
+    policy, plain = _models(ctx.device)
     reference, _ = _models()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3}, "compile": {"backend": "eager"}}
@@ -221,7 +222,7 @@ def _two_zero3_engines_body(ctx):
                                            config=config)
     frozen, *_ = deepspeed_api.initialize(model=reference, config=dict(config))
     frozen.eval()
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).to(ctx.device)
     loss = trained(x).pow(2).mean()
     trained.backward(loss)
     trained.step()
@@ -269,6 +270,7 @@ def _partitioned_body(ctx, built_in_init):
     else:
         model = Tiny()
         model.load_state_dict(plain.state_dict())
+    plain.to(ctx.device)
     for p in plain.parameters():  # the plain model: rank 0's values everywhere
         torch.distributed.broadcast(p.data, src=0)
     engine, optimizer, _, scheduler = deepspeed_api.initialize(
@@ -284,7 +286,7 @@ def _partitioned_body(ctx, built_in_init):
         assert all(p.numel() == 0 and p.ds_status.name == "NOT_AVAILABLE" for p in model.parameters())
 
     holds_only_shards()
-    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     for _ in range(2):
         out = engine(x)
         torch.testing.assert_close(out, plain(x).detach(), rtol=0, atol=0)
@@ -303,7 +305,7 @@ def _partitioned_body(ctx, built_in_init):
     if ctx.rank == 0:
         assert state.keys() == plain.state_dict().keys()
         for key, value in plain.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+            torch.testing.assert_close(state[key].to(value.device), value, rtol=0, atol=0)
     else:
         assert state == {}
 
@@ -321,13 +323,13 @@ def _frozen_then_trained_body(ctx):
     engine, which takes the shards' values."""
     from deepcompile.integrations import deepspeed_api
 
-    model, plain = _models()
+    model, plain = _models(ctx.device)
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "compile": {"backend": "eager"}}
     deepspeed_api.initialize(model=model, config=dict(config))
     trained, *_ = deepspeed_api.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                            config=config)
     trained.eval()
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 4, device=ctx.device)
     with torch.no_grad():
         torch.testing.assert_close(trained(x), plain(x), rtol=0, atol=0)
 

@@ -4,6 +4,8 @@ with torch's AdamW. Before, the fit failed at the strategy's config (its NVMe ``
 then at torch.compile (Lightning deep-copies compile arguments: the backend holds a process
 group), then at teardown (``optimizer.state``)."""
 
+import os
+
 import pytest
 import torch
 
@@ -17,9 +19,13 @@ def test_lightning_deepspeed_strategy_fit(tmp_path, stage):
     pytest.importorskip("lightning")
     from _harness import lightning_case as w  # not the worker: it serves deepspeed at import
 
+    # On the GPU machine (DC_TEST_DEVICE=cuda, two GPUs) the worker runs Lightning's own strategy
+    # with its CUDA check, on NCCL.
+    on_gpu = os.environ.get("DC_TEST_DEVICE") == "cuda" and torch.cuda.device_count() >= WORLD
     out = tmp_path / "state.pt"
     hf_launch.torchrun(str(paths.TESTS / "_harness" / "lightning_worker.py"),
-                       ["--stage", str(stage), "--out", str(out)], nproc=WORLD)
+                       ["--stage", str(stage), "--out", str(out), "--accelerator", "cuda" if on_gpu else "cpu"],
+                       nproc=WORLD)
     got = torch.load(out)
     assert got["engine"].startswith("deepcompile."), got["engine"]
 
@@ -35,7 +41,7 @@ def test_lightning_deepspeed_strategy_fit(tmp_path, stage):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    # fp32 throughout; the only difference is the order of the gradient sums (two per-rank means
+    # fp32 throughout (on GPUs too: torch's matmuls do not use TF32 unless asked); the only difference is the order of the gradient sums (two per-rank means
     # averaged against one mean over eight rows): a few ulps per step, far below one step's update
     # (lr 1e-2, AdamW moves every weight by about 1e-2 per step).
     for name, value in reference.named_parameters():

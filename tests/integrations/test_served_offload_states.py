@@ -35,7 +35,7 @@ def _body(ctx, stage):
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "compile": {"backend": "eager"}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    xs, ys = _batches()
+    xs, ys = (t.to(ctx.device) for t in _batches())
     mine = slice(ctx.rank * MICRO, (ctx.rank + 1) * MICRO)
 
     def train(step):
@@ -61,8 +61,15 @@ def _body(ctx, stage):
     assert all(t.untyped_storage().nbytes() > 0 for t in masters)
     optimizer.reload_states()
     # Everything.
+    on_gpu = ctx.device.type == "cuda"
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in masters + moments + lp}
+    held = sum(storages.values())  # flat buffers counted once
+    allocated = torch.cuda.memory_allocated(ctx.device) if on_gpu else 0
     engine.offload_states()
     assert all(t.untyped_storage().nbytes() == 0 for t in masters + moments + lp)
+    if on_gpu:  # the device memory itself is given back, not only the tensors emptied
+        freed = allocated - torch.cuda.memory_allocated(ctx.device)
+        assert freed >= held, (freed, held)
     with pytest.raises(RuntimeError, match="reload_states"):
         engine(xs[0, mine])
     with pytest.raises(RuntimeError, match="already offloaded"):
@@ -80,11 +87,12 @@ def _body(ctx, stage):
         train(step)
         engine.step()
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        trained = [p.detach().clone() for p in model.parameters()]
+        trained = [p.detach().cpu().clone() for p in model.parameters()]
 
     # One process on the same global batches, no offload.
     reference = _model()
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    xs, ys = xs.cpu(), ys.cpu()
     for step in range(STEPS_BEFORE + STEPS_AFTER):
         loss = torch.nn.functional.mse_loss(reference(xs[step]), ys[step])
         opt.zero_grad()

@@ -170,7 +170,7 @@ def _train(ctx, failing_step, gas):
         if window == 1 and failing_step is None:
             continue
         for micro in range(gas):
-            x, y = _batch(window * gas + micro, ctx.rank)
+            x, y = (t.to(ctx.device) for t in _batch(window * gas + micro, ctx.rank))
             if window == 1 and micro == gas - 1:
                 _fail(engine, failing_step, x, y)
                 break

@@ -128,6 +128,23 @@ def _no_use_before_wait(gm):
                 assert idx not in waits, f"{n} reads parameter {a} without its gather"
 
 
+def test_fusion_counts_the_launch_cost_a_fast_link_hides():
+    """On a link that moves a layer's weights faster than the runtime launches a group (2 x H200:
+    a 23 MB gather in about 80 us), every gather looked bandwidth-bound and went alone: 163
+    groups a step through Trainer. With the launch cost counted, such gathers share groups up to
+    the size cap, while gathers that take far longer than a launch still do not."""
+    from deepcompile.scheduling import planner
+
+    fast = CommModel([(1 << p, max(0.02, (1 << p) / 300e6)) for p in range(16, 29, 2)])  # 20 us floor, 300 GB/s
+    hidden, inter = 2048, 5632
+    layer = [hidden * hidden] * 4 + [hidden * inter] * 3
+    gathers = [planner.Gather(None, i, n, torch.bfloat16) for i, n in enumerate(layer * 4)]
+    # 28 groups without the launch cost; at least 8 with it (each 51M-element layer spans two 5e7 groups)
+    assert len(planner._fuse(gathers, int(5e7), fast)) <= 12
+    slow = CommModel([(1 << p, (1 << p) / 3e6) for p in range(16, 29, 2)])  # 3 GB/s: every gather >> a launch
+    assert len(planner._fuse(gathers, int(5e7), slow)) == len(gathers)
+
+
 def test_guided_prefetch_fuses_latency_bound_gathers_and_keeps_dtypes():
     gm = _three_layer_graph()
     plan = plan_prefetch(gm, 1000, profile=_flat_profile(gm, 0), comm=LATENCY_BOUND, budget_bytes=1 << 30)

@@ -112,7 +112,8 @@ def _partition(model: nn.Module, dtype: Optional[torch.dtype], device: torch.dev
             del p.__dict__[zero_init.DEFERRED]
             shape = preset.shape
         else:
-            full = _broadcast_from_rank0(p.data) if world > 1 else p.data
+            # On this rank's device first: NCCL carries no CPU tensor.
+            full = _broadcast_from_rank0(p.data.to(device)) if world > 1 else p.data
             local = frozen_shards.cut(full.to(device), target, device)
             shape = p.shape
         frozen_shards.install(p, index, shape, local)
