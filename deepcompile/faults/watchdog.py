@@ -1,8 +1,7 @@
 """The fault watchdog: every rank beats, watches a few peers, and exits when one has failed.
 
 One thread per rank publishes this rank's record (``status.RankStatus``) in the process group's
-store at phase changes (at most every ``PHASE_PUBLISH_GAP_S``) and at least every ``interval``
-seconds, and reads its peers'
+store at every phase change and at least every ``interval`` seconds, and reads its peers'
 records: the next ranks of the ring, and rank 0 (which serves the store in a plain ``env://``
 launch). When it finds a peer that failed, died or fell silent for ``timeout_s``, it writes the
 cause under one alarm key (the first cause written wins, so every rank reports the same root
@@ -29,11 +28,6 @@ from deepcompile.faults.status import ABORTED, ALIVE, DONE, FAILED, PeerJudge, R
 PEER_FAILED_EXIT_CODE = 75
 KEY_ROOT = "deepcompile/faults/"
 RING_NEIGHBOURS = 4  # each rank watches the next four ranks of the ring, and rank 0
-# A phase change wakes the monitor thread only when the last publication is at least this old (or
-# a heartbeat interval, if shorter). Waking it at every phase (three a step) cost the host-bound
-# compiled step GIL hand-offs for a record nobody reads that often; the next heartbeat publishes
-# the current phase anyway, and a rank that raises publishes its own phase synchronously.
-PHASE_PUBLISH_GAP_S = 0.25
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -97,7 +91,6 @@ class FaultWatchdog:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._last_contact = time.monotonic()
-        self._last_publish = 0.0
         self._last_look = 0.0
         self._store_failing_since: Optional[float] = None
         self._threads = [threading.Thread(target=self._monitor, name=f"deepcompile-faults-r{rank}", daemon=True),
@@ -114,11 +107,9 @@ class FaultWatchdog:
 
     def enter(self, phase: str, step: int) -> None:
         """The rank now does ``phase`` (forward, backward, step, save_checkpoint, ...) of step
-        ``step`` (the engine's global_steps). Published by the monitor thread, not here: at once
-        if nothing was published for PHASE_PUBLISH_GAP_S, else with the next heartbeat."""
+        ``step`` (the engine's global_steps). Published by the monitor thread, not here."""
         self.phase, self.step = phase, step
-        if time.monotonic() - self._last_publish >= min(self.interval, PHASE_PUBLISH_GAP_S):
-            self._wake.set()
+        self._wake.set()
         injection.kill_point(f"{phase}:{step}", self.rank, before=self._publish)
 
     def stop(self) -> None:
@@ -232,7 +223,6 @@ class FaultWatchdog:
     def _publish(self) -> None:
         with self._publish_lock:
             self._beat += 1
-            self._last_publish = time.monotonic()
             self._store.set(self._key(self.rank), self._record().encode())
 
     def _read(self, rank: int) -> Optional[RankStatus]:
