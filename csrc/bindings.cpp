@@ -144,7 +144,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_nccl") = false;
 #endif
   m.def("init", &init, "Create the runtime (replacing any previous one)", py::call_guard<py::gil_scoped_release>());
-  m.def("cleanup", &destroyRuntime, "Destroy the runtime; safe to call when none exists", py::call_guard<py::gil_scoped_release>());
+  m.def("cleanup", &destroyRuntime,
+        "Destroy the runtime, waiting at most timeout_s for in-flight communication (then aborting the "
+        "communicators); always leaves no runtime behind; safe to call when none exists",
+        py::arg("timeout_s") = Runtime::kDefaultShutdownTimeoutS, py::call_guard<py::gil_scoped_release>());
   m.def("is_initialized", &runtimeInitialized);
   m.def("reset", [] { currentRuntime().resetExecutors(); }, py::call_guard<py::gil_scoped_release>());
   m.def("world_size", [] { return currentRuntime().world(); });

@@ -80,6 +80,11 @@ class GatherRollback {
 void issueGatherGroup(Lanes& lanes, Communicator& comm, const std::vector<Z3Layout*>& params,
                       const std::vector<at::ScalarType>& dtypes, bool from_secondary) {
   if (params.empty()) return;
+  for (at::ScalarType dtype : dtypes) {
+    // Refused before the group opens: inside it, the failure would come after other ranks issued.
+    TORCH_CHECK(comm.carries(dtype), "deepcompile: cannot gather in ", dtype, ": the ", comm.name(),
+                " communicator does not carry it (float32, float16, bfloat16 or float64)");
+  }
   GatherRollback rollback(params);
   std::vector<at::Tensor> sources;
   sources.reserve(params.size());

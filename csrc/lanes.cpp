@@ -71,6 +71,7 @@ class DeviceLanes final : public Lanes {
   }
   CompletionPtr record(Lane lane) override { return std::make_shared<EventCompletion>(stream(lane)); }
   void synchronize(Lane lane) override { guard_.synchronizeStream(stream(lane)); }
+  bool idle(Lane lane) override { return guard_.queryStream(stream(lane)); }
   void synchronizeDevice() override { guard_.synchronizeDevice(device_.index()); }
   void recordStream(const at::Tensor& tensor, const c10::Stream& stream) override {
     if (tensor.defined() && tensor.device().type() == device_.type() && tensor.storage().data_ptr()) {

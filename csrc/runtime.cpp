@@ -1,6 +1,9 @@
 #include <deepcompile/gather.h>
 #include <deepcompile/runtime.h>
 
+#include <chrono>
+#include <string>
+#include <thread>
 #include <unordered_set>
 
 namespace deepcompile {
@@ -44,21 +47,71 @@ Runtime::Runtime(std::unique_ptr<Lanes> lanes, std::unique_ptr<Communicator> com
       executor_context_{registry_, *lanes_, *comm_, secondary_comm_.get(), *reducer_, update_step_,
                         [this](DsId id) { return anyExecutorHoldsGather(id); }} {}
 
-Runtime::~Runtime() { shutdown(); }
+Runtime::~Runtime() { (void)shutdown(); }
 
-void Runtime::shutdown() {
-  if (!comm_) return;
-  // Let in-flight collectives and copies finish before their buffers go away.
-  for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
-  registry_.forEachZ3([](DSParam&, Z3Layout& z3) {
-    if (z3.gather_done) z3.gather_done->hostWait();
+void Runtime::abortCommunicators() noexcept {
+  for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
+    if (comm != nullptr) comm->abort();
+  }
+}
+
+std::string Runtime::drainLanes(double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int i = 0; i < kNumLanes; ++i) {
+    const Lane lane = static_cast<Lane>(i);
+    while (!lanes_->idle(lane)) {
+      for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
+        const std::string error = comm != nullptr ? comm->asyncError() : std::string();
+        if (!error.empty()) {
+          abortCommunicators();
+          return std::string("the ") + comm->name() + " communicator reported an asynchronous error (" + error +
+                 "); the communicators were aborted";
+        }
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        abortCommunicators();
+        return "communication was still in flight after " + std::to_string(timeout_s) +
+               " s (a peer gone or stalled?); the communicators were aborted";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return {};
+}
+
+std::string Runtime::shutdown(double timeout_s) noexcept {
+  if (!comm_) return {};
+  std::string first;
+  auto attempt = [&first](const char* what, auto&& step) {
+    try {
+      step();
+    } catch (const std::exception& e) {
+      if (first.empty()) first = std::string(what) + ": " + e.what();
+    } catch (...) {
+      if (first.empty()) first = std::string(what) + ": unknown error";
+    }
+  };
+  // Let in-flight collectives and copies finish before their buffers go away, within the deadline.
+  attempt("waiting for in-flight communication", [&] {
+    const std::string error = drainLanes(timeout_s);
+    if (!error.empty() && first.empty()) first = error;
+    if (!error.empty()) {  // aborted: what was cut short has stopped, or never will
+      for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
+    }
   });
-  executors_.clear();
-  reducer_.reset();
-  registry_.clear();
-  replica_comm_.reset();
-  secondary_comm_.reset();
-  comm_.reset();
+  registry_.forEachZ3([&](DSParam&, Z3Layout& z3) {
+    if (!z3.gather_done) return;
+    CompletionPtr done = std::move(z3.gather_done);
+    z3.gather_done = nullptr;
+    attempt("waiting for a gather", [&] { done->hostWait(); });
+  });
+  attempt("dropping the executors", [&] { executors_.clear(); });
+  attempt("dropping the gradient reducer", [&] { reducer_.reset(); });
+  attempt("dropping the registry", [&] { registry_.clear(); });
+  attempt("closing the replica communicator", [&] { replica_comm_.reset(); });
+  attempt("closing the secondary communicator", [&] { secondary_comm_.reset(); });
+  attempt("closing the communicator", [&] { comm_.reset(); });  // null afterwards, even if it threw
+  return first;
 }
 
 void Runtime::abortStep() {
@@ -196,6 +249,11 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
     } else if (s.gather_dtype.has_value() && !at::isFloatingType(*s.gather_dtype)) {
       local_error = "gather dtype of ds id " + std::to_string(s.id) + " is " + c10::toString(*s.gather_dtype) +
                     "; it must be a floating-point dtype (the dtype the full parameter is computed in)";
+    } else if (!comm_->carries(s.gather_dtype.value_or(s.shard.scalar_type())) ||
+               (secondary_comm_ && !secondary_comm_->carries(s.gather_dtype.value_or(s.shard.scalar_type())))) {
+      local_error = "gather dtype of ds id " + std::to_string(s.id) + " is " +
+                    c10::toString(s.gather_dtype.value_or(s.shard.scalar_type())) + ", which the " + comm_->name() +
+                    " communicator cannot carry (float32, float16, bfloat16 or float64)";
     } else if (s.gather_dtype.has_value() && *s.gather_dtype != s.shard.scalar_type() &&
                !at::isFloatingType(s.shard.scalar_type())) {
       local_error = "shard of ds id " + std::to_string(s.id) + " is stored as " +
@@ -367,11 +425,17 @@ void installRuntime(std::unique_ptr<Runtime> runtime) {
   currentSlot() = std::move(runtime);
 }
 
-void destroyRuntime() {
-  auto& slot = currentSlot();
-  if (slot) {
-    slot->shutdown();
-    slot.reset();
+void destroyRuntime(double timeout_s) {
+  // The slot is emptied first, whatever the shutdown hits: a runtime that failed to shut down
+  // once used to stay installed, and every later cleanup() and init() raised its error again.
+  std::unique_ptr<Runtime> runtime = std::move(currentSlot());
+  currentSlot() = nullptr;
+  if (!runtime) return;
+  const std::string error = runtime->shutdown(timeout_s);
+  runtime.reset();
+  if (!error.empty()) {
+    TORCH_WARN("deepcompile: the runtime was shut down after an error (", error,
+               "); its state is released and deepcompile.runtime.init() can be called again");
   }
 }
 

@@ -165,9 +165,14 @@ def init(
     )
 
 
-def cleanup() -> None:
-    """Drop all runtime state (registry, buckets, executors, communicator). Safe to call twice."""
-    _C.cleanup()
+def cleanup(timeout_s: float = 60.0) -> None:
+    """Drop all runtime state (registry, buckets, executors, communicator). Safe to call twice.
+
+    Waits at most ``timeout_s`` for communication in flight; past it, or as soon as NCCL reports
+    an asynchronous error, the communicators are aborted instead of waited for (a peer that is
+    gone never completes its part). Never leaves a runtime behind: an error on the way is a
+    warning, and ``init`` works again afterwards."""
+    _C.cleanup(float(timeout_s))
 
 
 def reset() -> None:
@@ -401,8 +406,9 @@ def abort_step() -> None:
 
 def _inject_fault(kind: str, n: int) -> None:
     """TEST-ONLY: the ``n``-th ``kind`` event from now raises inside the runtime, once (``n=0``
-    disarms). ``kind``: ``"gather_alloc"`` (a gathered-buffer allocation) or ``"collective"`` (a
-    collective issued inside a communicator group). Counted per process; ranks that run the same
+    disarms). ``kind``: ``"gather_alloc"`` (a gathered-buffer allocation), ``"collective"`` (a
+    collective issued inside a communicator group) or ``"completion_wait"`` (the wait on a group's
+    collectives, process-group communicator only: where a peer's failure surfaces on gloo). Counted per process; ranks that run the same
     step hit it at the same point."""
     _C._inject_fault(str(kind), int(n))
 

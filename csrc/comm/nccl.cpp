@@ -13,6 +13,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <string>
 
 #define DC_NCCL_CHECK(call, what)                                                                   \
   do {                                                                                              \
@@ -65,7 +66,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    if (comm_ != nullptr) {
+    if (comm_ != nullptr && !aborted_) {
       // Destroy waits for outstanding operations; a failed destroy at teardown is not actionable.
       ncclCommDestroy(comm_);
       comm_ = nullptr;
@@ -75,6 +76,23 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* name() const override { return "nccl"; }
+  bool carries(at::ScalarType dtype) const override { return isWireDtype(dtype); }
+
+  std::string asyncError() override {
+    if (comm_ == nullptr || aborted_) return {};
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return "ncclCommGetAsyncError failed";
+    if (state == ncclSuccess || state == ncclInProgress) return {};
+    return std::string(ncclGetErrorString(state)) + " (" + std::to_string(static_cast<int>(state)) + ")";
+  }
+
+  void abort() noexcept override {
+    if (comm_ == nullptr || aborted_) return;
+    aborted_ = true;
+    // Returns once NCCL's kernels of this communicator have stopped; the communicator's
+    // resources are freed by it (no ncclCommDestroy afterwards).
+    (void)ncclCommAbort(comm_);
+  }
 
   void beginGroup(Lane lane) override {
     TORCH_CHECK(!in_group_, "deepcompile: communicator groups cannot nest");
@@ -174,6 +192,7 @@ class NcclCommunicator final : public Communicator {
   int rank_;
   int size_;
   ncclComm_t comm_ = nullptr;
+  bool aborted_ = false;
   bool in_group_ = false;
   Lane lane_ = Lane::AllGather;
   cudaStream_t stream_ = nullptr;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 
 namespace deepcompile {
 
@@ -27,20 +28,38 @@ class WorkCompletion final : public Completion {
       : works_(std::move(works)), then_(std::move(then)), keep_alive_(std::move(keep_alive)) {}
   void blockStream(const c10::Stream&) override { hostWait(); }
   void hostWait() override {
-    if (done_) return;
-    for (auto& work : works_) work->wait();
+    if (done_) {
+      // A failed collective stays failed: its buffers were never filled, so every later wait
+      // (a consumer, the shutdown) gets the error, and none waits on the works again.
+      TORCH_CHECK(error_.empty(), "deepcompile: this collective failed earlier: ", error_);
+      return;
+    }
+    try {
+      faultPoint(FaultKind::CompletionWait, "a collective's completion");
+      for (auto& work : works_) work->wait();
+      for (auto& action : then_) action();
+    } catch (const std::exception& e) {
+      error_ = e.what();
+      if (error_.empty()) error_ = "unknown error";
+      finish();
+      throw;
+    }
+    finish();
+  }
+
+ private:
+  void finish() {
     works_.clear();
-    for (auto& action : then_) action();
     then_.clear();
     keep_alive_.clear();
     done_ = true;
   }
 
- private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<std::function<void()>> then_;
   std::vector<at::Tensor> keep_alive_;  // buffers gloo reads or writes until the work is done
   bool done_ = false;
+  std::string error_;  // why the wait failed, once it has
 };
 
 class ProcessGroupCommunicator final : public Communicator {
@@ -53,6 +72,7 @@ class ProcessGroupCommunicator final : public Communicator {
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
   const char* name() const override { return "process-group"; }
+  bool carries(at::ScalarType dtype) const override { return isWireDtype(dtype); }
 
   void beginGroup(Lane) override {
     TORCH_CHECK(!in_group_, "deepcompile: communicator groups cannot nest");

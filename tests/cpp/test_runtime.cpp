@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <string>
+
 using namespace deepcompile;
 using namespace dctest;
 
@@ -233,4 +236,80 @@ TEST(RuntimeHpz, ReleaseKeepsTheSecondaryCopyUntilTheShardsChange) {
   EXPECT_EQ(rt.secondaryBytes(), 0);
   rt.setPersistent(2, false);
   EXPECT_EQ(rt.secondaryBytes(), 4 * 4);
+}
+
+namespace {
+
+// Lanes whose work never finishes until the communicator is aborted: a collective waiting for a
+// peer that is gone.
+class StuckLanes final : public Lanes {
+ public:
+  explicit StuckLanes(const bool& aborted) : aborted_(aborted) {}
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  c10::Stream stream(Lane) const override { return c10::Stream(c10::Stream::DEFAULT, device()); }
+  c10::Stream computeStream() const override { return stream(Lane::AllGather); }
+  void waitCompute(Lane) override {}
+  CompletionPtr record(Lane) override { return readyCompletion(); }
+  void synchronize(Lane) override { EXPECT_TRUE(aborted_) << "a blocking wait on a lane that never finishes"; }
+  bool idle(Lane) override { return aborted_; }
+  void synchronizeDevice() override {}
+  void recordStream(const at::Tensor&, const c10::Stream&) override {}
+
+ private:
+  const bool& aborted_;
+};
+
+// A communicator that can report an asynchronous error and records its abort.
+class AbortableCommunicator final : public Communicator {
+ public:
+  AbortableCommunicator(bool& aborted, std::string async_error) : aborted_(aborted), async_(std::move(async_error)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const char* name() const override { return "abortable"; }
+  void beginGroup(Lane) override {}
+  void allGather(const at::Tensor&, const at::Tensor&) override {}
+  void reduceScatter(const at::Tensor&, const at::Tensor&) override {}
+  void reduce(const at::Tensor&, int) override {}
+  void allReduce(const at::Tensor&) override {}
+  CompletionPtr endGroup() override { return readyCompletion(); }
+  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override { return values; }
+  std::string asyncError() override { return async_; }
+  void abort() noexcept override { aborted_ = true; }
+
+ private:
+  bool& aborted_;
+  std::string async_;
+};
+
+std::string shutdownOfStuckRuntime(const std::string& async_error, double timeout_s, double* seconds) {
+  bool aborted = false;
+  RuntimeConfig cfg;
+  cfg.reduce_bucket_size = 4;
+  Runtime rt(std::make_unique<StuckLanes>(aborted), std::make_unique<AbortableCommunicator>(aborted, async_error), cfg);
+  const auto start = std::chrono::steady_clock::now();
+  std::string error = rt.shutdown(timeout_s);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(aborted) << "the communicator was not aborted";
+  EXPECT_EQ(rt.shutdown(timeout_s), "") << "a second shutdown found work left";
+  return error;
+}
+
+}  // namespace
+
+// A shutdown whose collectives never finish (a peer gone) used to wait for ever; it now aborts
+// the communicators at the deadline and reports it.
+TEST(RuntimeShutdown, AbortsTheCommunicatorsAtTheDeadline) {
+  double seconds = 0;
+  const std::string error = shutdownOfStuckRuntime("", 0.2, &seconds);
+  EXPECT_NE(error.find("still in flight after"), std::string::npos) << error;
+  EXPECT_GE(seconds, 0.2);
+  EXPECT_LT(seconds, 5.0);
+}
+
+// An asynchronous communicator error ends the wait at once, whatever the deadline.
+TEST(RuntimeShutdown, AbortsAtOnceOnAnAsynchronousError) {
+  double seconds = 0;
+  const std::string error = shutdownOfStuckRuntime("unhandled system error (2)", 600.0, &seconds);
+  EXPECT_NE(error.find("asynchronous error (unhandled system error (2))"), std::string::npos) << error;
+  EXPECT_LT(seconds, 5.0);
 }

@@ -4,6 +4,7 @@
 
 #include <deepcompile/common.h>
 
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -25,6 +26,25 @@ struct CommBytes {
   int64_t reduce = 0;
   int64_t all_reduce = 0;
 };
+
+// The dtypes both communicators carry (NCCL natively; gloo natively or staged through fp32): the
+// floating-point types a parameter is gathered or reduced in, and the integer ones of control
+// exchanges. Not fp8, complex or bool.
+inline bool isWireDtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kHalf:
+    case at::kDouble:
+    case at::kBFloat16:
+    case at::kLong:
+    case at::kInt:
+    case at::kChar:
+    case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
 
 class Communicator {
  public:
@@ -64,6 +84,18 @@ class Communicator {
   // Waits for the collectives of aborted groups to finish (abort_step), ignoring their errors:
   // the step they belonged to is being abandoned for an error the caller already has.
   virtual void settleAborted() {}
+
+  // Whether collectives can be issued in `dtype`. Registration and every gather check it before
+  // a group opens: a dtype found unsupported inside a group fails the group half-way, after
+  // other ranks may have issued their part. Test doubles carry everything.
+  virtual bool carries(at::ScalarType) const { return true; }
+  // An error the communicator hit asynchronously (NCCL: ncclCommGetAsyncError), empty when none.
+  // Non-blocking; may be called while collectives are in flight.
+  virtual std::string asyncError() { return {}; }
+  // Makes the communicator's outstanding collectives return without completing them (NCCL:
+  // ncclCommAbort), so that a shutdown whose peers are gone does not wait for ever. The
+  // communicator is unusable afterwards. Must not throw.
+  virtual void abort() noexcept {}
 
   // Blocking exchange of a few host integers: returns size() * values.size() entries, rank-major.
   // Every rank must pass the same number of values.

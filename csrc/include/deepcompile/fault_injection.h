@@ -1,4 +1,4 @@
-// TEST-ONLY fault injection: makes the Nth gathered-buffer allocation or the Nth collective
+// TEST-ONLY fault injection: makes the Nth gathered-buffer allocation, collective or completion wait
 // (counted from when it is armed) throw, so tests can prove that a failure inside a communicator
 // group leaves the runtime usable (docs/design/runtime.md, "What happens on failure"). Armed only
 // through deepcompile._C._inject_fault (deepcompile.runtime._inject_fault); unarmed, a fault point
@@ -15,11 +15,18 @@
 
 namespace deepcompile {
 
-enum class FaultKind : int { GatherAlloc = 0, Collective = 1 };
-inline constexpr int kNumFaultKinds = 2;
+// CompletionWait: the wait on a group's completion fails (the process-group communicator; a
+// peer's failure surfaces there on gloo).
+enum class FaultKind : int { GatherAlloc = 0, Collective = 1, CompletionWait = 2 };
+inline constexpr int kNumFaultKinds = 3;
 
 inline const char* faultKindName(FaultKind kind) {
-  return kind == FaultKind::GatherAlloc ? "gather_alloc" : "collective";
+  switch (kind) {
+    case FaultKind::GatherAlloc: return "gather_alloc";
+    case FaultKind::Collective: return "collective";
+    case FaultKind::CompletionWait: return "completion_wait";
+  }
+  return "unknown";
 }
 
 // Countdown per kind: 0 = disarmed; n > 0 = the n-th fault point of that kind from now throws.
@@ -27,8 +34,9 @@ inline std::array<std::atomic<int64_t>, kNumFaultKinds> g_fault_countdown{};
 
 inline FaultKind parseFaultKind(const std::string& name) {
   if (name == "gather_alloc") return FaultKind::GatherAlloc;
+  if (name == "completion_wait") return FaultKind::CompletionWait;
   TORCH_CHECK(name == "collective", "deepcompile: _inject_fault: unknown fault kind '", name,
-              "' (expected 'gather_alloc' or 'collective')");
+              "' (expected 'gather_alloc', 'collective' or 'completion_wait')");
   return FaultKind::Collective;
 }
 

@@ -29,6 +29,12 @@ class Lanes {
   virtual CompletionPtr record(Lane lane) = 0;
   // Host blocks until `lane` is idle.
   virtual void synchronize(Lane lane) = 0;
+  // Whether everything queued on `lane` has finished, without blocking (the shutdown polls it
+  // against a deadline). The default blocks: lanes whose work runs on the caller are always idle.
+  virtual bool idle(Lane lane) {
+    synchronize(lane);
+    return true;
+  }
   virtual void synchronizeDevice() = 0;
   // Tell the caching allocator that `tensor` is used on `stream` (no-op on CPU).
   virtual void recordStream(const at::Tensor& tensor, const c10::Stream& stream) = 0;

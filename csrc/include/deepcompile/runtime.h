@@ -115,11 +115,20 @@ class Runtime {
   // the error calls it.
   void abortStep();
 
-  // Waits for all in-flight work, then drops buffers and the communicator.
-  void shutdown();
+  // Waits for all in-flight work, at most `timeout_s` seconds (then, or as soon as a
+  // communicator reports an asynchronous error, every communicator is aborted so that nothing
+  // waits for peers that are gone), then drops buffers and communicators. Best effort: every
+  // step runs whatever an earlier one hit, and it never throws; returns the first error (empty:
+  // none). Afterwards the runtime holds nothing and shutdown() returns at once.
+  std::string shutdown(double timeout_s = kDefaultShutdownTimeoutS) noexcept;
+  static constexpr double kDefaultShutdownTimeoutS = 60.0;
 
  private:
   void forgetGathered(Z3Layout& z3);
+  // Waits until every lane is idle, polling against the deadline and the communicators'
+  // asynchronous errors; aborts every communicator on either. The error, or empty.
+  std::string drainLanes(double timeout_s);
+  void abortCommunicators() noexcept;
   // Before an id is registered again: frees the gathered buffer of the entry it replaces.
   void freeGatheredOf(DsId id);
   // Declaration order is construction order: the executor context refers to everything above it.
@@ -142,6 +151,8 @@ class Runtime {
 Runtime& currentRuntime();
 bool runtimeInitialized();
 void installRuntime(std::unique_ptr<Runtime> runtime);
-void destroyRuntime();
+// Shuts the current runtime down (Runtime::shutdown) and empties the slot, whatever the
+// shutdown hit, so that init() works again; an error the shutdown hit is reported as a warning.
+void destroyRuntime(double timeout_s = Runtime::kDefaultShutdownTimeoutS);
 
 }  // namespace deepcompile
