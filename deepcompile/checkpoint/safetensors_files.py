@@ -151,7 +151,12 @@ class ShardedWriter:
     """Writes tensors, one at a time, into files of at most ``max_bytes`` each (a tensor larger
     than that gets a file of its own), as ``save_pretrained`` names them: ``model.safetensors``
     when one file holds everything, else ``model-0000k-of-0000n.safetensors`` and the index. At
-    most one file's worth of tensors is held in memory (the write buffer)."""
+    most one file's worth of tensors is held in memory (the write buffer). A subclass writing
+    another format sets the three names and :meth:`_save`."""
+
+    single_file = SINGLE_FILE
+    index_file = INDEX_FILE
+    shard_file = "model-{number:05d}-of-{count:05d}.safetensors"
 
     def __init__(self, folder: str, max_bytes: int):
         self.folder = folder
@@ -162,7 +167,10 @@ class ShardedWriter:
         self.total_bytes = 0
 
     def _temporary_name(self, number: int) -> str:
-        return os.path.join(self.folder, f"part-{number:05d}.safetensors")
+        return os.path.join(self.folder, f"part-{number:05d}{os.path.splitext(self.single_file)[1]}")
+
+    def _save(self, tensors: Dict[str, torch.Tensor], path: str) -> None:
+        save_file(tensors, path, metadata={"format": "pt"})
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -173,7 +181,7 @@ class ShardedWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        save_file(self._buffer, self._temporary_name(len(self._files)), metadata={"format": "pt"})
+        self._save(self._buffer, self._temporary_name(len(self._files)))
         self._files.append(sorted(self._buffer))
         self._buffer, self._buffered_bytes = {}, 0
 
@@ -184,19 +192,19 @@ class ShardedWriter:
             self._flush()
         count = len(self._files)
         if count == 1:
-            os.replace(self._temporary_name(0), os.path.join(self.folder, SINGLE_FILE))
-            return [SINGLE_FILE]
+            os.replace(self._temporary_name(0), os.path.join(self.folder, self.single_file))
+            return [self.single_file]
         written, weight_map = [], {}
         for number, names in enumerate(self._files):
-            final = f"model-{number + 1:05d}-of-{count:05d}.safetensors"
+            final = self.shard_file.format(number=number + 1, count=count)
             os.replace(self._temporary_name(number), os.path.join(self.folder, final))
             weight_map.update({name: final for name in names})
             written.append(final)
         index = {"metadata": {"total_size": self.total_bytes, "total_parameters": total_parameters},
                  "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(self.folder, INDEX_FILE), "w", encoding="utf-8") as f:
+        with open(os.path.join(self.folder, self.index_file), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2) + "\n")
-        return written + [INDEX_FILE]
+        return written + [self.index_file]
 
 
 def is_weights_file(name: str) -> bool:

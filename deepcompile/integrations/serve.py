@@ -27,6 +27,7 @@ _MODULES: Dict[str, str] = {
     "deepspeed.zero": _PACKAGE + ".zero",
     "deepspeed.utils": _PACKAGE + ".utils",
     "deepspeed.utils.logging": _PACKAGE + ".ds_logging",  # utils.py is a module: its `logging` names it
+    "deepspeed.utils.zero_to_fp32": _PACKAGE + ".zero_to_fp32",  # likewise, utils.py's `zero_to_fp32`
     "deepspeed.checkpointing": _PACKAGE + ".checkpointing",
     "deepspeed.compression": _PACKAGE + ".compression",
     "deepspeed.compression.helper": _PACKAGE + ".compression.helper",
