@@ -83,7 +83,7 @@ def main() -> None:
     if accelerator.is_main_process and args.out:
         with open(args.out, "w") as f:
             json.dump({"first_step": done + 1, "losses": losses, "lrs": lrs, "world_size": accelerator.num_processes,
-                       "engine": type(model).__module__}, f)
+                       "engine": type(model).__module__, "summary": getattr(model, "summary_line", None)}, f)
     accelerator.free_memory()  # releases the engine (deepcompile's runtime) before end_training ends the process group
     accelerator.end_training()
 

@@ -85,6 +85,37 @@ def test_accelerate_launch_config_file_matches_single_process(tmp_path):
     _check(hf_launch.read_json(out))
 
 
+def test_accelerate_regional_compilation_becomes_deepcompile_per_layer_graphs(tmp_path):
+    """accelerate's regional compilation (``use_regional_compilation``): accelerate compiles each
+    repeated block in place around the engine (plain torch.compile over the eager ZeRO hooks);
+    the served engine takes that over before the first forward and compiles the blocks as its own
+    per-layer graphs, and the run still trains as one process does."""
+    import json
+
+    with open(DS_CONFIG) as f:
+        ds_config = json.load(f)
+    ds_config["compile"] = {"backend": "eager"}  # fast on the CPU; the graphs are the same
+    ds_path = tmp_path / "ds_config.json"
+    ds_path.write_text(json.dumps(ds_config))
+    with open(LAUNCH_CONFIG) as f:
+        launch = f.read().replace("examples/ds_config_zero3.json", str(ds_path))
+    launch_path = tmp_path / "accelerate.yaml"
+    launch_path.write_text(launch)
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "deepcompile.integrations.accelerate_launch", "--config_file", str(launch_path),
+           "--main_process_port", str(hf_launch._free_port()), EXAMPLE, *_args(out)]
+    # accelerate 1.15's DeepSpeed launcher does not pass a config file's dynamo_config on to the
+    # ranks (its other launchers do), with or without the real DeepSpeed: the settings reach
+    # TorchDynamoPlugin through its environment variables.
+    hf_launch.run_checked(cmd, env=hf_launch.launch_env({"ACCELERATE_DYNAMO_BACKEND": "EAGER",
+                                                         "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true"}))
+    result = hf_launch.read_json(out)
+    # The engine's own per-layer graphs of the blocks accelerate compiled (before the take-over:
+    # "uncompiled (eager ZeRO hooks ...)" with accelerate's compiled blocks around them).
+    assert "compiled (eager, per layer: " in (result["summary"] or ""), result["summary"]
+    _check(result)
+
+
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=hf_launch.launch_env(), cwd=hf_launch.ROOT,
                           capture_output=True, text=True, timeout=300)
