@@ -82,6 +82,10 @@ void free_tensors(at::TensorList tensors) {
     // The threshold is in bytes of the tensor itself (DeepSpeed documents bytes but compared
     // element counts).
     if (static_cast<int64_t>(t.numel() * t.element_size()) <= rt.config().free_activation_threshold) continue;
+    // Only a tensor that spans its whole storage: a part of a larger one (a slice of a fused
+    // buffer, a chunk) shares it with data that is still in use.
+    if (t.storage_offset() != 0 ||
+        static_cast<size_t>(t.numel() * t.element_size()) != t.storage().nbytes()) continue;
     rt.lanes().recordStream(t, rt.lanes().computeStream());
     t.storage().unsafeGetStorageImpl()->reset();
   }

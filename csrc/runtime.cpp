@@ -277,6 +277,29 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
                 "): its shard size, device, gradient target or gather dtype was rejected there; no parameter of "
                 "this batch was registered");
   }
+  // Every rank must register the same parameters: the same ids, in the same order, with the same
+  // sizes and gather dtypes. A difference (a rank that built another model, or another precision)
+  // otherwise shows up only later, as gathers of mismatched sizes that hang or corrupt memory.
+  std::vector<int64_t> mine;
+  mine.reserve(3 * specs.size());
+  for (const Z3ParamSpec& s : specs) {
+    mine.push_back(s.id);
+    mine.push_back(numelOf(s.shape));
+    mine.push_back(static_cast<int64_t>(s.gather_dtype.value_or(s.shard.scalar_type())));
+  }
+  const std::vector<int64_t> everyone = comm_->allGatherInts(mine);
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const int64_t* theirs = everyone.data() + r * mine.size() + 3 * i;
+      TORCH_CHECK(theirs[0] == mine[3 * i] && theirs[1] == mine[3 * i + 1] && theirs[2] == mine[3 * i + 2],
+                  "deepcompile: ZeRO-3 registration: parameter #", i, " of the batch differs between ranks: rank ",
+                  comm_->rank(), " registers ds id ", mine[3 * i], " with ", mine[3 * i + 1], " elements gathered as ",
+                  static_cast<at::ScalarType>(mine[3 * i + 2]), ", rank ", r, " ds id ", theirs[0], " with ",
+                  theirs[1], " elements gathered as ", static_cast<at::ScalarType>(theirs[2]),
+                  " (every rank must build the same model in the same precision); no parameter of this batch was "
+                  "registered");
+    }
+  }
   for (Z3ParamSpec& s : specs) {
     freeGatheredOf(s.id);
     Z3Layout layout;

@@ -3,6 +3,8 @@
 #include <deepcompile/lanes.h>
 #include <deepcompile/z3_executor.h>
 
+#include <algorithm>
+
 namespace deepcompile {
 
 at::Tensor Z3Executor::allgather(DsId id, std::optional<at::ScalarType> dtype) {
@@ -34,6 +36,15 @@ void Z3Executor::prefetch(const std::vector<DsId>& ids, const std::vector<at::Sc
   for (size_t i = 0; i < ids.size(); ++i) {
     Z3Layout& z3 = param(ids[i], "prefetch_params_fused").z3("dc.prefetch_params_fused");
     if (z3.isGathered()) continue;
+    // An id named twice in one prefetch is gathered once (twice in one group, both gathers would
+    // write one buffer); it must ask for one dtype.
+    const auto earlier = std::find(todo.begin(), todo.end(), &z3);
+    if (earlier != todo.end()) {
+      TORCH_CHECK(todo_dtypes[earlier - todo.begin()] == dtypes[i], "dc.prefetch_params_fused: ds id ", ids[i],
+                  " appears twice with different dtypes (", todo_dtypes[earlier - todo.begin()], " and ", dtypes[i],
+                  ")");
+      continue;
+    }
     todo.push_back(&z3);
     todo_dtypes.push_back(dtypes[i]);
   }

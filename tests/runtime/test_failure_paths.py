@@ -152,6 +152,43 @@ def test_a_failed_collective_stays_failed_and_the_runtime_still_shuts_down():
     run_distributed(_body_failed_wait_then_cleanup, WORLD)
 
 
+def _body_ranks_register_different_params(ctx):
+    ctx.init_runtime()
+    # Each rank consistent with itself (its shard fits its shape), but rank 1 built a larger
+    # parameter: the gathers would move mismatched sizes. Every rank refuses the batch.
+    numel = 8 if ctx.rank == 0 else 10
+    shard = torch.zeros(-(-numel // WORLD), device=ctx.device)
+    with pytest.raises(RuntimeError, match="differs between ranks"):
+        runtime.register_z3_params([4], [(numel,)], [shard], [None])
+    with pytest.raises(RuntimeError, match="unknown ds id 4"):
+        runtime.registered_shard(4)  # nothing was registered
+    # The same for a gather dtype that differs.
+    dtype = torch.bfloat16 if ctx.rank == 0 else torch.float32
+    with pytest.raises(RuntimeError, match="differs between ranks"):
+        runtime.register_z3_params([4], [(8,)], [torch.zeros(4, device=ctx.device)], [None], gather_dtypes=[dtype])
+
+
+def test_ranks_that_register_different_parameters_all_refuse():
+    run_distributed(_body_ranks_register_different_params, WORLD)
+
+
+def _body_prefetch_names_an_id_twice(ctx):
+    fulls, shards = setup_z3(ctx, FP32_SPECS[:2])
+    i, j = FP32_SPECS[0][0], FP32_SPECS[1][0]
+    with pytest.raises(RuntimeError, match="appears twice with different dtypes"):
+        ops.prefetch_params_fused(GRAPH, [], [i, j, i], dtypes=[torch.float32, torch.float32, torch.bfloat16])
+    assert not runtime.is_gathered(i), "a refused prefetch gathered"
+    ops.prefetch_params_fused(GRAPH, [], [i, j, i])
+    for k in (i, j):
+        out = ops.wait_allgather(ops.allgather_param(shards[k], GRAPH, k), GRAPH, k)
+        assert torch.equal(out, fulls[k]), f"ds id {k}: wrong values after a prefetch that named ds id {i} twice"
+        ops.release_param(out, GRAPH, k, 1)
+
+
+def test_a_prefetch_that_names_an_id_twice_gathers_it_once():
+    run_distributed(_body_prefetch_names_an_id_twice, WORLD)
+
+
 # ---- engine level ---------------------------------------------------------------------------
 
 GLOBAL_BATCH = 4

@@ -164,6 +164,11 @@ def _body_free_tensors(ctx):
     # byte size is under the threshold, so neither it nor the storage it shares is freed.
     base = torch.randn(100, device=dev)
     kept["fp32 x4 view of a 400 B storage"] = base[10:14]
+    # Above the threshold but a part of a larger storage (a chunk of a fused buffer): freeing it
+    # would free the rest of that buffer too, still in use (before: freed).
+    fused = torch.randn(200, device=dev)
+    kept["fp32 x100 half of an 800 B storage"] = fused[100:]
+    kept["fp32 x100 first half of an 800 B storage"] = fused[:100]
     kept_values = {k: v.clone() for k, v in kept.items()}
     result = ops.free_tensors(list(freed.values()) + list(kept.values()))
     assert result is None
