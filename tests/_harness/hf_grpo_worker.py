@@ -41,7 +41,7 @@ def main() -> None:
     args = p.parse_args()
     # With beta > 0 GRPO builds its reference model from the policy's path (a model given as an
     # object has none): both come from save_pretrained files, the reference a frozen ZeRO-3
-    # engine beside the trained one. Each rank writes its own copy (the same weights).
+    # engine beside the trained one (at ZeRO-2: the stage-0 frozen engine TRL asks for). Each rank writes its own copy (the same weights).
     path = os.path.join(args.output_dir, f"init-rank{os.environ.get('RANK', '0')}")
     build_model(seed=0).save_pretrained(path)  # before GRPOConfig: not inside the served zero.Init
     config = GRPOConfig(output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=2,
@@ -68,8 +68,10 @@ def main() -> None:
 
     def generate(*a, **kw):
         counts["generate_calls"] += 1
-        offload = trainer.model_wrapped.optimizer.parameter_offload
-        counts["hooks_suspended_in_generate"] &= offload.hooks_suspended
+        # ZeRO-3 only, as in DeepSpeed: at ZeRO-2 the weights are whole and nothing is gathered.
+        offload = getattr(trainer.model_wrapped.optimizer, "parameter_offload", None)
+        if offload is not None:
+            counts["hooks_suspended_in_generate"] &= offload.hooks_suspended
         shapes = [getattr(p, "ds_shape", p.shape) for p in model.parameters()]
         counts["full_finite_weights"] &= all(
             tuple(p.shape) == tuple(s) and bool(torch.isfinite(p).all()) for p, s in zip(model.parameters(), shapes))
@@ -81,7 +83,8 @@ def main() -> None:
 
     model.generate = generate
     trainer.train()
-    counts["hooks_suspended_after"] = trainer.model_wrapped.optimizer.parameter_offload.hooks_suspended
+    offload = getattr(trainer.model_wrapped.optimizer, "parameter_offload", None)
+    counts["hooks_suspended_after"] = None if offload is None else offload.hooks_suspended
     if trainer.is_world_process_zero():
         with open(args.out, "w") as f:
             json.dump({"log_history": trainer.state.log_history, "counts": counts,

@@ -49,13 +49,19 @@ def torchrun(script: str, args: Sequence[str], nproc: int = 2, env: Optional[Dic
     return run_checked(cmd, env=launch_env(env), cwd=cwd)
 
 
-def run_trl_worker(worker: str, tmp_path: Any, nproc: int = 2) -> Any:
+def run_trl_worker(worker: str, tmp_path: Any, nproc: int = 2, stage: int = 3) -> Any:
     """Runs a TRL worker of tests/_harness (``--deepspeed``, ``--output-dir``, ``--out``) under
-    torchrun with examples/ds_config_zero3.json compiled by the eager backend; returns what rank 0
-    wrote to --out."""
+    torchrun with examples/ds_config_zero3.json compiled by the eager backend (``stage=2``: its
+    zero_optimization section replaced by a ZeRO-2 one as such configs write it); returns what
+    rank 0 wrote to --out."""
     with open(os.path.join(EXAMPLES, "ds_config_zero3.json")) as f:
         config = json.load(f)
     config["compile"] = {"backend": "eager"}
+    if stage == 2:
+        config["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8}
+    elif stage != 3:
+        raise ValueError(f"run_trl_worker: stage 2 or 3, got {stage}")
     ds_config = os.path.join(str(tmp_path), "ds_config.json")
     with open(ds_config, "w") as f:
         json.dump(config, f)

@@ -253,6 +253,19 @@ def test_dpo_trainer_zero3_reference_model(tmp_path):
     assert steps[1]["rewards/margins"] != 0, steps
 
 
+def test_dpo_trainer_zero2_reference_model(tmp_path):
+    """The same DPO run at ZeRO-2: TRL hands the reference model over at stage 0, which the frozen
+    engine runs whole on every rank (before issue 41: "stage 0 is not supported")."""
+    pytest.importorskip("trl")
+    from _harness import hf_launch
+
+    out = hf_launch.run_trl_worker("hf_dpo_worker.py", tmp_path, nproc=WORLD, stage=2)
+    assert out["ref_engine"] == "FrozenEngine" and out["ref_stage"] == 0
+    steps = [e for e in out["log_history"] if "loss" in e]
+    assert len(steps) == 2 and all(e["grad_norm"] > 0 for e in steps)
+    assert steps[1]["rewards/margins"] != 0, steps
+
+
 # ---- the frozen ZeRO-3 engine itself --------------------------------------------------------------
 
 def _partitioned_body(ctx, built_in_init):

@@ -30,3 +30,19 @@ def test_grpo_trainer_generates_under_zero3(tmp_path):
     assert out["ref_engine"].endswith("frozen_zero3"), out["ref_engine"]
     kl = [e["kl"] for e in steps]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 0, kl
+
+
+def test_grpo_trainer_generates_under_zero2(tmp_path):
+    """The same GRPO run at ZeRO-2: the weights are whole, generation gathers nothing, and TRL's
+    reference model is the stage-0 frozen engine it asks for at ZeRO-1/2."""
+    pytest.importorskip("trl")
+    out = hf_launch.run_trl_worker("hf_grpo_worker.py", tmp_path, nproc=WORLD, stage=2)
+    counts = out["counts"]
+    assert out["stage"] == 2
+    steps = [e for e in out["log_history"] if "loss" in e]
+    assert len(steps) == 2, out["log_history"]
+    assert counts["generate_calls"] >= 2 and counts["full_finite_weights"], counts
+    assert counts["eager_gathers_in_generate"] == 0 and counts["hooks_suspended_after"] is None, counts
+    assert out["ref_engine"].endswith("frozen_engine"), out["ref_engine"]
+    kl = [e["kl"] for e in steps]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 0, kl
