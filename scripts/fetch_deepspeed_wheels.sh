@@ -31,7 +31,15 @@ WHEELS=(
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux2014_x86_64 -d "$DEST" "${WHEELS[@]}"
 
-ls -1 "$DEST"
+# TRL and its datasets dependency for the served TRL tests on the GPU machine (its image has
+# Lightning and PEFT but neither of these): into $DEST/hf, installed there by gpu_install_hf_extras
+# (scripts/gpu_prelude.sh) with `python3 -m pip install --no-index --no-deps`.
+mkdir -p "$DEST/hf"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
+  --implementation cp --platform manylinux2014_x86_64 -d "$DEST/hf" \
+  "trl==${TRL_VERSION:-1.16.0}" "datasets==${DATASETS_VERSION:-5.2.0}" "dill==0.4.1" "multiprocess==0.70.19"
+
+ls -1 "$DEST" "$DEST/hf"
 size_kib=$(du -sk "$DEST" | cut -f1)
 echo "$DEST: $(( size_kib / 1024 )) MiB (the carry limit is 64 MiB for everything carried)"
 if [ "$size_kib" -gt $(( 48 * 1024 )) ]; then

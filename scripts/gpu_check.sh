@@ -14,6 +14,7 @@ source "$(dirname "$0")/gpu_prelude.sh"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 } 2>&1 | tee "$OUT/env.txt"
 gpu_build
+gpu_install_hf_extras  # the served TRL tests skip without TRL
 # Test paths given first replace the default `tests`; options alone filter the whole suite.
 targets=(tests)
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then targets=(); fi

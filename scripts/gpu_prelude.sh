@@ -41,3 +41,12 @@ gpu_install_deepspeed() {  # DeepSpeed from the carried .whl/ (scripts/fetch_dee
     >> "$OUT/deepspeed-install.log" 2>&1 \
     || echo "DeepSpeed's DeepCompile op build failed (its rows will say why): $OUT/deepspeed-install.log"
 }
+
+gpu_install_hf_extras() {  # TRL and datasets from .whl/hf (scripts/fetch_deepspeed_wheels.sh), if carried
+  # `python3 -m pip`: the image's bare `pip` may belong to another Python (it once installed TRL
+  # where the tests could not import it).
+  if ls .whl/hf/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps .whl/hf/*.whl > "$OUT/hf-extras-install.log" 2>&1 \
+      || tail -5 "$OUT/hf-extras-install.log"
+  fi
+}
