@@ -85,9 +85,7 @@ class FaultWatchdog:
         self._judge = PeerJudge(self.timeout_s, time.monotonic(), self._machine)
         self._watched = watched_ranks(rank, world_size)
         self._state, self._error, self._beat = ALIVE, "", 0
-        # One store connection for both threads (the monitor, and the main thread's look at once on a
-        # communication error): one call at a time.
-        self._publish_lock = threading.RLock()
+        self._publish_lock = threading.Lock()
         self._abort_lock = threading.Lock()
         self._aborting = False
         self._wake = threading.Event()
@@ -149,14 +147,6 @@ class FaultWatchdog:
         if symptom:
             self._say(f"rank {self.rank} got a communication error during {self._doing()} ({first_line(error, 200)}); "
                       f"waiting up to {self.timeout_s:g} s for the fault watchdog to find which rank failed")
-            # Look at once instead of at the next heartbeat: under torchrun the agent ends the
-            # surviving workers within a moment of one worker's exit, often before that heartbeat,
-            # and then no line named the rank that failed. A peer that raised has published it; a
-            # killed one on this machine is seen gone by its pid.
-            cause = self._look_now()
-            if cause is not None and self.running:
-                self._abort(cause)
-                return
             deadline = time.monotonic() + self.timeout_s + 2 * self.interval
             while time.monotonic() < deadline and self.running:
                 time.sleep(min(0.1, self.interval))
@@ -174,17 +164,6 @@ class FaultWatchdog:
 
     # ---- the threads
 
-    def _look_now(self) -> Optional[str]:
-        """The cause to exit for, read now from the calling thread (None: none found, or the store
-        did not answer)."""
-        try:
-            with self._publish_lock:
-                cause = self._look()
-                self._last_look = time.monotonic()
-                return cause
-        except Exception:  # noqa: BLE001  (the store may be what failed; the monitor judges that)
-            return None
-
     def _monitor(self) -> None:
         while not self._stopped.is_set():
             self._wake.wait(self.interval)
@@ -195,8 +174,7 @@ class FaultWatchdog:
                 self._publish()
                 cause = None
                 if time.monotonic() - self._last_look >= self.interval * 0.5:
-                    with self._publish_lock:
-                        cause = self._look()
+                    cause = self._look()
                     self._last_look = time.monotonic()
                 self._last_contact = time.monotonic()
                 self._store_failing_since = None

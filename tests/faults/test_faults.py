@@ -488,9 +488,6 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_as_an_uninterrup
         assert proc.returncode == 0, f"{name}:\n{outputs[name][-8000:]}"
     out = outputs["killed"]
     assert "killing this process" in out and "at backward:3" in out, out[-8000:]
-    # The survivor names the killed rank before torchrun's agent ends it (within a moment of the
-    # killed worker's exit): it looks at once when its collective fails, not at its next heartbeat.
-    assert "rank 1 died during backward of step 3" in out, out[-8000:]
     assert "elastic_restart: attempt 1, 2 ranks on cpu, resumed from" in out and "global_step2 at step 2" in out, \
         out[-8000:]
     want, got = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "killed.pt")
