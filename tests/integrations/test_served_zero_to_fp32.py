@@ -35,28 +35,12 @@ import torch.nn as nn
 from _harness.multiproc import run_distributed
 from _harness.parity_cases import GLOBAL_BATCH, batch, make_optimizer
 from _harness.paths import ROOT
+from _harness.tied_lm import TiedBufferedLM
 
 from deepcompile.integrations.deepspeed_api.utils import zero_to_fp32
 
 pytestmark = pytest.mark.world_size(2)
 STAGES = (2, 3)
-
-
-class TiedBufferedLM(nn.Module):
-    """A tied parameter (embedding and head) and a persistent buffer."""
-
-    def __init__(self, vocab=11, dim=6):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.mix = nn.Linear(dim, 7)
-        self.out = nn.Linear(7, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.arange(dim, dtype=torch.float32))
-
-    def forward(self, tokens, targets):
-        h = self.out(torch.tanh(self.mix(self.embed(tokens)))) * self.scale
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
 def _save_body(ctx, root, stages):
