@@ -29,6 +29,8 @@ from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
+from deepcompile.sequence_parallel import SequenceParallel
+from deepcompile.sequence_parallel import build_groups as build_sp_groups
 from deepcompile.scheduling.schedule import PassSchedule
 from deepcompile.step_report import StepReport
 from deepcompile.zero.materialize import InitFn, training_device
@@ -100,6 +102,8 @@ class Engine:
         # Fill "auto", complete the batch sizes and check what depends on the model (config.py).
         config = config.resolve(self.world_size, model)
         self.config = config
+        # Ulysses sequence parallelism (sequence_parallel/): the ranks that share each sequence.
+        self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size))
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
@@ -172,7 +176,8 @@ class Engine:
                                                                  self._sizes_report()]
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
-                                              sharding=self.sharding, activations=self.activations)
+                                              sharding=self.sharding, activations=self.activations,
+                                              sequence_parallel=self.sequence_parallel)
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
         self.compiled_as: Optional[CompiledAs] = None  # the arguments of the last compile(); None: eager
         self.summary_line: Optional[str] = None  # logged at the first forward (run_summary.py)
@@ -223,6 +228,11 @@ class Engine:
         for hook in self._at["before_forward"]:
             hook(moment, args, kwargs)
         module = self._compiled if self._compiled is not None else self.module
+        if self.sequence_parallel.enabled and self._compiled is None:
+            raise RuntimeError("deepcompile: sequence_parallel_size > 1 needs a compiled engine (call engine.compile() "
+                               "first): attention's all-to-alls are a graph pass, so uncompiled every rank would "
+                               "attend over its own slice of the sequence only")
+        self.sequence_parallel.check_inputs(args, kwargs)
         self._watch("forward")
         self._enter(moment, "forward")
         with self._first_runs("forward", self._compiled is not None):
@@ -232,6 +242,12 @@ class Engine:
                 self._abort_step()
                 raise
         self._exit(moment, "forward")
+        if self.sequence_parallel.enabled and self.sequence_parallel.rewritten_calls == 0:
+            raise RuntimeError(
+                "deepcompile: sequence_parallel_size > 1, but the compiled forward called no "
+                "torch.nn.functional.scaled_dot_product_attention for the pass to split, so each rank attended "
+                "over its own slice only. Load the model with attn_implementation=\"sdpa\" (other attention "
+                "kernels are not supported yet)")
         return out
 
     def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None,
@@ -515,6 +531,7 @@ class Engine:
         self.compiled_module.close()
         self._compiled = None
         self.sharding.close()
+        self.sequence_parallel.close()
         runtime.cleanup()
         stop_watching(self.faults)
 

@@ -11,6 +11,9 @@ Two namespaces:
 * ``dcact`` (Python, defined here): activation offload. Schemas and fake kernels live here; the
   CPU/CUDA kernels act on the run-time offload state and are handed in by
   ``offload/activation_ops.py`` (:func:`register_activation_kernels`), which documents the ops.
+* ``dcsp`` (Python, defined here): sequence parallelism's all-to-all. Schema, fake kernel and
+  autograd formula live here; the CPU/CUDA kernel reaches the process group and is handed in by
+  ``sequence_parallel/all_to_all.py`` (:func:`register_sequence_parallel_kernel`).
 
 Eager code calls the wrappers; graph passes insert the constants as ``call_function`` targets and
 compare node targets against them. No other module reaches ``torch.ops.dc`` or
@@ -29,7 +32,8 @@ from deepcompile import _C  # noqa: F401  (loading the extension registers the d
 
 RUNTIME_NAMESPACE = "dc"
 ACTIVATION_NAMESPACE = "dcact"
-NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE)
+SEQUENCE_PARALLEL_NAMESPACE = "dcsp"
+NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE, SEQUENCE_PARALLEL_NAMESPACE)
 
 _dc = getattr(torch.ops, RUNTIME_NAMESPACE)
 
@@ -156,6 +160,56 @@ def free_after(xs: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> Non
     FREE_AFTER(list(xs), list(after))
 
 
+# ---- dcsp: sequence parallelism (kernel: sequence_parallel/all_to_all.py) -----------------------
+
+_SEQUENCE_PARALLEL_LIB = torch.library.Library(SEQUENCE_PARALLEL_NAMESPACE, "DEF")
+# ``x`` is split into ``ranks`` equal chunks along ``scatter_dim``; chunk j goes to rank j of the
+# group, and the chunks received are concatenated along ``gather_dim`` in rank order. ``group`` is
+# a key of sequence_parallel/all_to_all.py's group table (a process group is no schema type);
+# ``ranks`` is the group's size, there so that the fake kernel needs no run-time state.
+_SEQUENCE_PARALLEL_LIB.define(
+    "all_to_all(Tensor x, int scatter_dim, int gather_dim, int ranks, int group) -> Tensor")
+
+
+def _fake_all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, group: int) -> torch.Tensor:
+    if x.shape[scatter_dim] % ranks:
+        raise ValueError(f"all_to_all: dimension {scatter_dim} of {tuple(x.shape)} does not split into {ranks}")
+    shape = list(x.shape)
+    shape[scatter_dim] //= ranks
+    shape[gather_dim] *= ranks
+    return x.new_empty(shape)
+
+
+_SEQUENCE_PARALLEL_LIB.impl("all_to_all", _fake_all_to_all, "Meta")
+_dcsp = getattr(torch.ops, SEQUENCE_PARALLEL_NAMESPACE)
+ALL_TO_ALL = _dcsp.all_to_all.default
+
+
+def _all_to_all_setup(ctx: Any, inputs: Tuple[Any, ...], output: torch.Tensor) -> None:
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.ranks, ctx.group = inputs
+
+
+def _all_to_all_backward(ctx: Any, grad: torch.Tensor):
+    # The adjoint of an all-to-all is the all-to-all that undoes it: scatter where it gathered.
+    return ALL_TO_ALL(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.ranks, ctx.group), None, None, None, None
+
+
+torch.library.register_autograd(f"{SEQUENCE_PARALLEL_NAMESPACE}::all_to_all", _all_to_all_backward,
+                                setup_context=_all_to_all_setup, lib=_SEQUENCE_PARALLEL_LIB)
+
+
+def register_sequence_parallel_kernel(kernel: Callable) -> None:
+    """The CPU and CUDA kernel of ``dcsp::all_to_all`` (it looks the group up by key)."""
+    for dispatch_key in ("CPU", "CUDA"):
+        _SEQUENCE_PARALLEL_LIB.impl("all_to_all", kernel, dispatch_key)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, group: int) -> torch.Tensor:
+    """Split ``x`` along ``scatter_dim`` over the ``ranks`` ranks of sequence-parallel group
+    ``group`` and concatenate what they send along ``gather_dim`` (differentiable)."""
+    return ALL_TO_ALL(x, scatter_dim, gather_dim, ranks, group)
+
+
 # ---- the registry ------------------------------------------------------------------------------
 
 
@@ -201,6 +255,8 @@ REGISTRY: Tuple[OpEntry, ...] = (
     _dcact_entry(reload_activation, RELOAD_ACTIVATION),
     _dcact_entry(wait_reload, WAIT_RELOAD),
     _dcact_entry(free_after, FREE_AFTER),
+    OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::all_to_all", all_to_all, {"default": ALL_TO_ALL},
+            "deepcompile/ops.py, _fake_all_to_all"),
 )
 
 # Graphs call these for their effect alone (their results, if any, unused): dead-code removal must

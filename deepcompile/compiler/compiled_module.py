@@ -36,8 +36,9 @@ _ACTIVE: Optional["CompiledModule"] = None
 
 class CompiledModule:
     def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int,
-                 sharding: Optional[Sharding] = None, activations: Any = None):
+                 sharding: Optional[Sharding] = None, activations: Any = None, sequence_parallel: Any = None):
         self.module = module
+        self.sequence_parallel = sequence_parallel  # sequence_parallel.SequenceParallel, or None
         self.activations = activations  # compile.free_activation / offload_activation, or None
         self._sharding = sharding  # see DeepCompileBackend
         self.stage = stage
@@ -122,7 +123,8 @@ class CompiledModule:
         """The backend of this module with ``inner`` as the final compiler (made once per plan)."""
         if inner not in self._backends:
             self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner,
-                                                       sharding=self._sharding, activations=self.activations)
+                                                       sharding=self._sharding, activations=self.activations,
+                                                       sequence_parallel=self.sequence_parallel)
         return self._backends[inner]
 
     @property

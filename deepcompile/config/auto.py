@@ -54,7 +54,10 @@ def resolve(config, world_size: int, model: Any = None):
     problems: List[Tuple[str, str]] = []
     changes: Dict[str, Any] = {}
     try:
-        changes.update(complete_batch_sizes(config, world_size))
+        # Batch sizes count data-parallel replicas: the ranks of one sequence-parallel group share
+        # their sequences (a size that does not divide the world is refused below).
+        sp = config.sequence_parallel_size
+        changes.update(complete_batch_sizes(config, world_size // sp if world_size % sp == 0 else world_size))
     except ConfigError as e:
         problems.extend(e.problems)
 

@@ -82,6 +82,11 @@ class Config(Section):
         "only); ZeRO-1/2 only the parameters' dtype (docs/config.md says why).")
     prescale_gradients: bool = fixed_key("prescale_gradients")
     gradient_predivide_factor: float = fixed_key("gradient_predivide_factor")
+    sequence_parallel_size: int = key(
+        integer(1), 1, "Ulysses sequence parallelism: this many consecutive ranks share each sequence, each holding "
+        "a contiguous slice of it; attention runs over the whole sequence through all-to-alls the compiler inserts "
+        "(docs/design/sequence-parallel.md). Must divide the world size; batch sizes count world_size / this many "
+        "replicas. Needs a compiled engine.")
     zero_allow_untested_optimizer: bool = key(
         boolean, False, f"false: an optimizer object other than {_UNTESTED} (the ones deepcompile's tests cover) is "
         "refused; true: any torch.optim.Optimizer is accepted.")

@@ -176,6 +176,22 @@ def _hpz_divides_world(c, facts) -> Optional[str]:
             f"{facts.world_size}: every secondary group must have the same number of ranks")
 
 
+def _sequence_parallel_divides_world(c, facts) -> Optional[str]:
+    size = c.sequence_parallel_size
+    if size == 1 or facts.world_size is None or facts.world_size % size == 0:
+        return None
+    return (f"sequence_parallel_size is {size}, which does not divide the world size {facts.world_size}: groups of "
+            f"{size} consecutive ranks share each sequence")
+
+
+def _sequence_parallel_needs_compile(c, facts) -> Optional[str]:
+    if c.sequence_parallel_size > 1 and c.compile.auto_compile is False:
+        return ("sequence_parallel_size > 1 with compile.auto_compile false: sequence parallelism is a graph pass "
+                "(attention's all-to-alls are inserted into the compiled graph); uncompiled, every rank would "
+                "attend over its own slice only. Leave auto_compile unset and call engine.compile()")
+    return None
+
+
 REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.offload_param", "parse",
          _param_offload_stage("zero_optimization.offload_param", lambda c: c.zero_optimization.offload_param)),
@@ -196,6 +212,8 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.zero_hpz_partition_size", "parse", _hpz_stage),
     Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_with_hybrid),
     Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_divides_world),
+    Rule("sequence_parallel_size", "resolve", _sequence_parallel_divides_world),
+    Rule("sequence_parallel_size", "parse", _sequence_parallel_needs_compile),
 )
 
 

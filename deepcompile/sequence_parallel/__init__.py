@@ -1,0 +1,98 @@
+"""Ulysses sequence parallelism: ``sequence_parallel_size`` ranks share every sequence.
+
+* groups.py: which ranks share a sequence (consecutive ones), and the data-parallel replicas;
+* all_to_all.py: the kernel of ``dcsp::all_to_all`` (the op itself: deepcompile/ops.py);
+* attention.py: the graph pass that wraps every attention call in the all-to-alls;
+* batch.py: this rank's slice of a batch (global positions, labels shifted before slicing);
+* loss.py: the loss averaged over the whole sequence's tokens.
+
+:class:`SequenceParallel` is what an engine holds (``engine.sequence_parallel``): the groups, the
+key graphs reach the group by, and how many attention calls the pass rewrote.
+docs/design/sequence-parallel.md describes the whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+import torch
+from torch.fx import GraphModule
+
+from deepcompile.sequence_parallel import all_to_all
+from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
+from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
+from deepcompile.sequence_parallel.groups import SIZE_KEY, SequenceParallelGroups, build_groups, check_size
+from deepcompile.sequence_parallel.loss import global_token_mean
+
+__all__ = ["SequenceParallel", "SequenceParallelError", "SequenceParallelGroups", "shard_batch", "shift_labels",
+           "global_token_mean", "build_groups", "check_size", "SIZE_KEY"]
+
+
+class SequenceParallel:
+    """One engine's sequence parallelism (``size`` 1: off, every method a no-op)."""
+
+    def __init__(self, groups: SequenceParallelGroups):
+        self.groups = groups
+        self.group_key = all_to_all.register_group(groups.group) if groups.enabled else 0
+        self.rewritten_calls = 0  # attention calls the graph pass has rewritten so far
+
+    @property
+    def enabled(self) -> bool:
+        return self.groups.enabled
+
+    @property
+    def size(self) -> int:
+        return self.groups.size
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def group(self):
+        return self.groups.group
+
+    def rewrite(self, gm: GraphModule) -> int:
+        """The Ulysses pass over one captured graph (attention.py); returns the calls rewritten."""
+        if not self.enabled:
+            return 0
+        count = split_attention(gm, self.size, self.group_key)
+        self.rewritten_calls += count
+        return count
+
+    def check_inputs(self, args: Any, kwargs: Mapping[str, Any]) -> None:
+        """Refuse a forward whose inputs the pass would get wrong (attention.py): a padding
+        ``attention_mask``, or ``position_ids`` other than this slice's global, consecutive ones
+        (missing, local, or packed sequences). One small device reduction and a host read."""
+        if not self.enabled:
+            return
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
+            raise SequenceParallelError(
+                "sequence parallelism: an attention_mask with padding cannot be split over ranks; pack or pad at the "
+                "end without a mask (engine.sequence_parallel.shard does)")
+        positions = kwargs.get("position_ids")
+        if not isinstance(positions, torch.Tensor):
+            raise SequenceParallelError(
+                "sequence parallelism: the forward needs this slice's global position_ids (the model would number "
+                "each slice from 0); split batches with engine.sequence_parallel.shard(batch)")
+        length = positions.shape[-1]
+        expected = torch.arange(self.rank * length, (self.rank + 1) * length, device=positions.device)
+        if not bool((positions == expected).all()):
+            raise SequenceParallelError(
+                f"sequence parallelism: rank {self.rank} of {self.size} must hold positions "
+                f"[{self.rank * length}, {(self.rank + 1) * length}) of every sequence (contiguous slices in rank "
+                "order); packed sequences (positions restarting inside a row) are not supported yet")
+
+    def shard(self, batch: Mapping[str, Any], pad_token_id: int = 0) -> Dict[str, Any]:
+        """This rank's slice of a batch of whole sequences (batch.py); the batch as it is when off."""
+        return shard_batch(batch, self.rank, self.size, pad_token_id) if self.enabled else dict(batch)
+
+    def loss(self, loss: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """The mean over the whole sequence's tokens, from this slice's mean (loss.py)."""
+        return global_token_mean(loss, shift_labels, self.group) if self.enabled else loss
+
+    def close(self) -> None:
+        if self.group_key:
+            all_to_all.unregister_group(self.group_key)
+            self.group_key = 0

@@ -1,0 +1,155 @@
+"""The Ulysses graph pass: attention over the whole sequence from sequence slices.
+
+It runs on the graph Dynamo captured, before aot_autograd, so that the backward of what it inserts
+is traced with the rest (the all-to-all's adjoint is the inverse all-to-all, deepcompile/ops.py).
+Each rank holds a contiguous slice of ``S / P`` tokens of every sequence. For each call of
+``torch.nn.functional.scaled_dot_product_attention`` with ``query`` ``[B, H, S / P, D]``:
+
+* ``query``, ``key`` and ``value`` go through an all-to-all that trades sequence for heads: the
+  rank ends up with ``H / P`` heads over all ``S`` tokens, the slices concatenated in rank order
+  (which is sequence order, sequence_parallel/groups.py);
+* attention runs unchanged on that: causal masking (``is_causal``) and the softmax see the whole
+  sequence, so every token attends to exactly the tokens it would in one process;
+* the output goes through the inverse all-to-all, back to all heads over the rank's slice.
+
+Everything outside attention is per token and needs no change, provided the positions are the
+global ones: the batch carries ``position_ids`` of the slice (sequence_parallel/batch.py), so
+rotary embeddings stay right.
+
+Grouped-query attention: ``key``/``value`` heads are split over the ranks as well. When their
+count does not divide by ``P`` (fewer KV heads than ranks, say), they are repeated to the least
+common multiple of the two first, which keeps each query head paired with its own KV head.
+
+Masks: a mask the model materialised was built for the local slice only. Traced, transformers
+builds one from ``position_ids`` whenever no cache is used (it cannot look at the positions to see
+that the sequences are not packed). The pass drops it and attends with ``is_causal=True`` over the
+whole sequence, which is the same mask for unpacked sequences; the engine checks every batch's
+inputs for exactly that case before the forward (``SequenceParallel.check_inputs``): no padding
+``attention_mask`` and global, consecutive ``position_ids``. Packed sequences are refused there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from deepcompile import ops
+
+_SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_HEADS, _SEQUENCE = 1, 2
+
+
+class SequenceParallelError(ValueError):
+    """A model the Ulysses pass cannot make sequence parallel, and why."""
+
+
+def _argument(node: Node, name: str, default: Any = None) -> Any:
+    index = _SDPA_ARGS.index(name)
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _shape(value: Any) -> Optional[torch.Size]:
+    example = value.meta.get("example_value") if isinstance(value, Node) else None
+    return example.shape if isinstance(example, torch.Tensor) else None
+
+
+def _check_call(node: Node, ranks: int) -> Dict[str, int]:
+    """The head counts of one attention call, or SequenceParallelError saying why it cannot be split."""
+    where = f"attention call {node.name!r}"
+    mask = _argument(node, "attn_mask")
+    if mask is not None and _argument(node, "is_causal", False):
+        raise SequenceParallelError(f"{where} takes both a mask and is_causal=True")
+    shapes = [_shape(_argument(node, name)) for name in ("query", "key", "value")]
+    if any(s is None or len(s) != 4 for s in shapes):
+        raise SequenceParallelError(f"{where}: query, key and value must be [batch, heads, sequence, head_dim] "
+                                    f"tensors, got shapes {shapes}")
+    heads, kv_heads = shapes[0][_HEADS], shapes[1][_HEADS]
+    if heads % ranks:
+        raise SequenceParallelError(f"{where}: {heads} attention heads do not split over sequence_parallel_size "
+                                    f"{ranks}; choose a size that divides the head count")
+    repeat = 1
+    if kv_heads % ranks:
+        if not _argument(node, "enable_gqa", False) and kv_heads != heads:
+            raise SequenceParallelError(f"{where}: {kv_heads} key/value heads for {heads} query heads without "
+                                        "enable_gqa")
+        common = kv_heads * ranks // math.gcd(kv_heads, ranks)
+        if heads % common:
+            raise SequenceParallelError(
+                f"{where}: {kv_heads} key/value heads cannot be spread over {ranks} ranks while keeping each of "
+                f"the {heads} query heads with its key/value head; choose a sequence_parallel_size that divides "
+                f"{kv_heads}, or one whose least common multiple with it divides {heads}")
+        repeat = common // kv_heads
+    return {"heads": heads, "kv_heads": kv_heads, "repeat": repeat, "drop_mask": mask is not None}
+
+
+def _insert_all_to_all(graph: torch.fx.Graph, value: Node, scatter: int, gather: int, ranks: int,
+                       group_key: int) -> Node:
+    node = graph.call_function(ops.ALL_TO_ALL, (value, scatter, gather, ranks, group_key))
+    example = value.meta.get("example_value")
+    if isinstance(example, torch.Tensor):
+        shape = list(example.shape)
+        shape[scatter] //= ranks
+        shape[gather] *= ranks
+        node.meta["example_value"] = example.new_empty(shape)
+    return node
+
+
+def _repeat_heads(graph: torch.fx.Graph, value: Node, repeat: int) -> Node:
+    node = graph.call_function(torch.repeat_interleave, (value, repeat), {"dim": _HEADS})
+    example = value.meta.get("example_value")
+    if isinstance(example, torch.Tensor):
+        node.meta["example_value"] = torch.repeat_interleave(example, repeat, dim=_HEADS)
+    return node
+
+
+def attention_calls(gm: GraphModule) -> List[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
+
+
+def split_attention(gm: GraphModule, ranks: int, group_key: int) -> int:
+    """Make every attention call of ``gm`` run over the whole sequence (see the module's doc);
+    returns how many calls were rewritten. Raises SequenceParallelError before changing anything
+    when one cannot be."""
+    calls = attention_calls(gm)
+    plans = [_check_call(node, ranks) for node in calls]  # every check before the first edit
+    graph = gm.graph
+    for node, plan in zip(calls, plans):
+        with graph.inserting_before(node):
+            moved = []
+            for name in ("query", "key", "value"):
+                value = _argument(node, name)
+                if name != "query" and plan["repeat"] > 1:
+                    value = _repeat_heads(graph, value, plan["repeat"])
+                moved.append(_insert_all_to_all(graph, value, _HEADS, _SEQUENCE, ranks, group_key))
+        args = list(node.args)
+        kwargs = dict(node.kwargs)
+        replaced = dict(zip(("query", "key", "value"), moved))
+        if plan["drop_mask"]:  # the local mask, replaced by causal attention over the whole sequence
+            replaced.update(attn_mask=None, is_causal=True)
+        for name, value in replaced.items():
+            i = _SDPA_ARGS.index(name)
+            if len(args) > i:
+                args[i] = value
+            else:
+                kwargs[name] = value
+        node.args, node.kwargs = tuple(args), kwargs
+        with graph.inserting_after(node):
+            back = _insert_all_to_all(graph, node, _SEQUENCE, _HEADS, ranks, group_key)
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        example = node.meta.get("example_value")
+        if isinstance(example, torch.Tensor):  # the call now sees H / P heads over S tokens
+            shape = list(example.shape)
+            shape[_HEADS] //= ranks
+            shape[_SEQUENCE] *= ranks
+            node.meta["example_value"] = example.new_empty(shape)
+    if calls:
+        graph.lint()
+        gm.recompile()
+    return len(calls)
