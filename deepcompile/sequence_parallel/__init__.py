@@ -76,13 +76,25 @@ class SequenceParallel:
             raise SequenceParallelError(
                 "sequence parallelism: the forward needs this slice's global position_ids (the model would number "
                 "each slice from 0); split batches with engine.sequence_parallel.shard(batch)")
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
         length = positions.shape[-1]
-        expected = torch.arange(self.rank * length, (self.rank + 1) * length, device=positions.device)
-        if not bool((positions == expected).all()):
+        # Per rank of the group: whether its slice is consecutive, and each row's first position.
+        # Slice r must start r * length after slice 0 (contiguous, in rank order, numbered
+        # globally). Gathered, so that every rank of the group decides the same.
+        consecutive = (positions.diff(dim=-1) == 1).all() if length > 1 else torch.tensor(True)
+        mine = torch.cat([consecutive.to(positions.device, positions.dtype).reshape(1), positions[:, 0]])
+        gathered = mine.new_empty(self.size * mine.numel())
+        torch.distributed.all_gather_into_tensor(gathered, mine.contiguous(), group=self.group)
+        gathered = gathered.view(self.size, mine.numel())
+        offsets = torch.arange(self.size, device=gathered.device).unsqueeze(-1) * length
+        firsts = gathered[:, 1:]
+        if not bool(gathered[:, 0].all()) or not bool((firsts == firsts[0] + offsets).all()):
             raise SequenceParallelError(
                 f"sequence parallelism: rank {self.rank} of {self.size} must hold positions "
-                f"[{self.rank * length}, {(self.rank + 1) * length}) of every sequence (contiguous slices in rank "
-                "order); packed sequences (positions restarting inside a row) are not supported yet")
+                f"[start + {self.rank * length}, start + {(self.rank + 1) * length}) of each sequence, consecutive, "
+                "with the slices in rank order (engine.sequence_parallel.shard makes them); a slice numbered from 0 "
+                "on every rank, or packed sequences (positions restarting inside a row), are not supported")
 
     def shard(self, batch: Mapping[str, Any], pad_token_id: int = 0) -> Dict[str, Any]:
         """This rank's slice of a batch of whole sequences (batch.py); the batch as it is when off."""

@@ -12,7 +12,7 @@ the sequence-parallel ranks too; every rank's gradient is then an equal part of 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -40,10 +40,20 @@ def check_size(size: int, world_size: int) -> None:
                          f"(groups of {size} consecutive ranks share each sequence)")
 
 
+# Groups already made, per default process group and size: a front end that makes them before the
+# engine (the served deepspeed.runtime.sequence_parallel.ulysses_sp, whose mpu the engine is then
+# given) and the engine share one set instead of creating the groups twice.
+_MADE: Dict[Tuple[int, int], "SequenceParallelGroups"] = {}
+
+
 def build_groups(size: int) -> SequenceParallelGroups:
-    """This rank's sequence-parallel group; every rank must call it (``new_group`` is collective)."""
+    """This rank's sequence-parallel group; every rank must call it (``new_group`` is collective),
+    except that a size made before under the same default group returns the groups made then."""
     world, rank = dist.get_world_size(), dist.get_rank()
     check_size(size, world)
+    key = (id(dist.group.WORLD), size)
+    if key in _MADE:
+        return _MADE[key]
     first = rank // size * size
     mine: Optional[dist.ProcessGroup] = None
     if size > 1:
@@ -51,6 +61,8 @@ def build_groups(size: int) -> SequenceParallelGroups:
             group = dist.new_group(list(range(start, start + size)))
             if start == first:
                 mine = group
-    return SequenceParallelGroups(size=size, rank=rank - first, group=mine,
+    made = SequenceParallelGroups(size=size, rank=rank - first, group=mine,
                                   group_ranks=list(range(first, first + size)),
                                   data_parallel_size=world // size, data_parallel_rank=rank // size)
+    _MADE[key] = made
+    return made
