@@ -109,18 +109,30 @@ def _repeat_heads(graph: torch.fx.Graph, value: Node, repeat: int) -> Node:
     return node
 
 
+def _graphs(gm: GraphModule) -> List[GraphModule]:
+    """``gm`` and the subgraphs of its higher-order ops (activation checkpointing traces each
+    checkpointed region into a subgraph that ``tag_activation_checkpoint`` calls)."""
+    return [m for _, m in gm.named_modules() if isinstance(m, GraphModule)]
+
+
 def attention_calls(gm: GraphModule) -> List[Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
+    return [n for g in _graphs(gm) for n in g.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
 
 
 def split_attention(gm: GraphModule, ranks: int, group_key: int) -> int:
-    """Make every attention call of ``gm`` run over the whole sequence (see the module's doc);
-    returns how many calls were rewritten. Raises SequenceParallelError before changing anything
-    when one cannot be."""
-    calls = attention_calls(gm)
-    plans = [_check_call(node, ranks) for node in calls]  # every check before the first edit
+    """Make every attention call of ``gm`` and its subgraphs run over the whole sequence (see the
+    module's doc); returns how many calls were rewritten. Raises SequenceParallelError before
+    changing anything when one cannot be."""
+    for node in attention_calls(gm):  # every check before the first edit
+        _check_call(node, ranks)
+    return sum(_split_in(g, ranks, group_key) for g in _graphs(gm))
+
+
+def _split_in(gm: GraphModule, ranks: int, group_key: int) -> int:
     graph = gm.graph
-    for node, plan in zip(calls, plans):
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
+    for node in calls:
+        plan = _check_call(node, ranks)
         with graph.inserting_before(node):
             moved = []
             for name in ("query", "key", "value"):

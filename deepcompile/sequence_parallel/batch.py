@@ -55,15 +55,17 @@ def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, pad_token_
     length = tokens.shape[1]
     padded = -(-length // sp_size) * sp_size
     if "position_ids" not in out:
-        out["position_ids"] = torch.arange(length, device=tokens.device).expand(tokens.shape[0], length)
+        out["position_ids"] = torch.arange(length, device=tokens.device)
+    if out["position_ids"].dim() == 1:  # one row for the whole batch, as transformers allows
+        out["position_ids"] = out["position_ids"].expand(tokens.shape[0], length)
     if "labels" in out and "shift_labels" not in out:
         out["shift_labels"] = shift_labels(out.pop("labels"))
     out.pop("labels", None)
     fills = {"input_ids": pad_token_id, "inputs_embeds": 0, "shift_labels": IGNORE_INDEX}
     if "position_ids" in out:  # padding continues the positions (never attended to by real tokens)
         positions = out["position_ids"]
-        extra = torch.arange(length, padded, device=positions.device).expand(positions.shape[0], -1)
-        out["position_ids"] = torch.cat([positions, extra.to(positions.dtype)], dim=1)
+        extra = positions[:, -1:] + torch.arange(1, padded - length + 1, device=positions.device, dtype=positions.dtype)
+        out["position_ids"] = torch.cat([positions, extra], dim=1)
     per_rank = padded // sp_size
     lo, hi = sp_rank * per_rank, (sp_rank + 1) * per_rank
     for key in _PER_TOKEN:
