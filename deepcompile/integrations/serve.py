@@ -28,6 +28,7 @@ _MODULES: Dict[str, str] = {
     "deepspeed.utils": _PACKAGE + ".utils",
     "deepspeed.utils.logging": _PACKAGE + ".ds_logging",  # utils.py is a module: its `logging` names it
     "deepspeed.utils.zero_to_fp32": _PACKAGE + ".zero_to_fp32",  # likewise, utils.py's `zero_to_fp32`
+    "deepspeed.utils.groups": _PACKAGE + ".ds_groups",  # likewise, utils.py's `groups`
     "deepspeed.checkpointing": _PACKAGE + ".checkpointing",
     "deepspeed.compression": _PACKAGE + ".compression",
     "deepspeed.compression.helper": _PACKAGE + ".compression.helper",
@@ -39,6 +40,8 @@ _MODULES: Dict[str, str] = {
     "deepspeed.runtime.zero.offload_config": _PACKAGE + ".runtime.zero.offload_config",
     "deepspeed.runtime.engine": _PACKAGE + ".runtime.engine",
     "deepspeed.runtime.base_optimizer": _PACKAGE + ".runtime.base_optimizer",
+    "deepspeed.runtime.sequence_parallel": _PACKAGE + ".runtime.sequence_parallel",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": _PACKAGE + ".runtime.sequence_parallel.ulysses_sp",
     "deepspeed.runtime.fp16": _PACKAGE + ".runtime.fp16",
     "deepspeed.runtime.fp16.onebit": _PACKAGE + ".runtime.fp16.onebit",
     "deepspeed.runtime.fp16.onebit.adam": _PACKAGE + ".runtime.fp16.onebit.adam",

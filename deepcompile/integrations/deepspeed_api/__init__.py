@@ -42,6 +42,40 @@ def _stage(cfg: Any) -> Any:
     return served_config.zero_stage(cfg) if isinstance(cfg, dict) else cfg.zero_optimization.stage
 
 
+def _sequence_parallel_mpu(mpu: Any) -> Any:
+    if mpu is None:
+        return None
+    from deepcompile.integrations.deepspeed_api.runtime.sequence_parallel.ulysses_sp import SequenceParallelMPU
+
+    if not isinstance(mpu, SequenceParallelMPU):
+        raise missing("deepspeed.initialize(mpu=...)")
+    return mpu
+
+
+def _with_sequence_parallel(cfg: Any, mpu: Any) -> Any:
+    """The config with ``sequence_parallel_size`` the mpu's size (a size already there must agree)
+    and, where it names one, a micro batch that agrees with the one registration was given."""
+    from deepcompile.sequence_parallel import SIZE_KEY
+
+    size = mpu.get_sequence_parallel_world_size()
+    if isinstance(cfg, dict):
+        given, micro = cfg.get(SIZE_KEY), cfg.get("train_micro_batch_size_per_gpu")
+    else:
+        given, micro = getattr(cfg, SIZE_KEY), cfg.train_micro_batch_size_per_gpu
+    if given is not None and given != size:
+        raise ValueError(f"deepspeed.initialize: the config's {SIZE_KEY} is {given}, but the mpu (from "
+                         f"UlyssesSPAttentionHF.register_with_transformers) has sequence-parallel size {size}")
+    if isinstance(micro, int) and mpu.micro_batch_size is not None and micro != mpu.micro_batch_size:
+        raise ValueError(f"deepspeed.initialize: the config's train_micro_batch_size_per_gpu is {micro}, but "
+                         f"UlyssesSPAttentionHF.register_with_transformers was given micro_batch_size="
+                         f"{mpu.micro_batch_size}")
+    if not isinstance(cfg, dict):
+        return cfg  # a parsed Config already says sequence_parallel_size (checked above)
+    # The served engine compiles at initialize (compile_by_default), which sequence parallelism
+    # needs; a config that switches that off (compile.auto_compile false) is refused by its rules.
+    return {**cfg, SIZE_KEY: size}
+
+
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: Any = None, mpu: Any = None,
                dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
@@ -49,9 +83,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, data loader, lr_scheduler)``,
     the engine a :class:`DeepSpeedEngine` over :class:`deepcompile.Engine`, the loader built from
     ``training_data`` (None without it, training_data.py)."""
-    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
-        if value is not None:
-            raise missing(f"deepspeed.initialize({name}=...)")
+    if mesh_param is not None:
+        raise missing("deepspeed.initialize(mesh_param=...)")
+    # The mpu of the served UlyssesSPAttentionHF.register_with_transformers (ALST / Ulysses):
+    # its size becomes sequence_parallel_size. Any other mpu (Megatron's) is refused.
+    sp_mpu = _sequence_parallel_mpu(mpu)
     if collate_fn is not None and training_data is None:
         raise ValueError("deepspeed.initialize(collate_fn=...) is the collate function of the loader built from "
                          "training_data, which was not given")
@@ -62,12 +98,18 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     cfg = served_config.drop_dotted_keys(served_config.as_dict(_config_dict(config, config_params)))
     if model is None:
         raise ValueError("deepspeed.initialize needs a model")
+    if sp_mpu is not None:
+        cfg = _with_sequence_parallel(cfg, sp_mpu)
     # No optimizer anywhere: an engine that only evaluates (a reference/teacher model, ZeRO
     # inference, Lightning's inference path with model_parameters=[]).
     inference = served_config.has_no_optimizer(cfg, optimizer, model_parameters, lr_scheduler)
     if inference and training_data is not None:
         raise ValueError("deepspeed.initialize(training_data=...) with no optimizer: the engine only evaluates a "
                          "model that is never trained; build a DataLoader for the evaluation yourself")
+    if sp_mpu is not None and inference:
+        raise ValueError("deepspeed.initialize(mpu=...): sequence parallelism (the mpu of "
+                         "UlyssesSPAttentionHF.register_with_transformers) is supported for training only; this "
+                         "engine has no optimizer, and deepcompile's engines that only evaluate do not split sequences")
     if served_config.zero_stage(cfg) == 0:
         if not inference:
             raise ValueError("deepspeed.initialize: ZeRO stage 0 (zero_optimization.stage 0, DeepSpeed's default "

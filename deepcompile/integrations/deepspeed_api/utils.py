@@ -1,11 +1,13 @@
 """``deepspeed.utils``: the logger transformers sets the level of, ZeRO-3 leaf modules, the
-``logging`` submodule (ds_logging.py), the ``zero_to_fp32`` submodule (zero_to_fp32.py: the full
+``logging`` submodule (ds_logging.py), the ``groups`` submodule (ds_groups.py: the
+sequence-parallel group accessors), the ``zero_to_fp32`` submodule (zero_to_fp32.py: the full
 fp32 weights of a checkpoint, offline), and the full-value accessors peft's AdaLoRA calls, refused."""
 
 from __future__ import annotations
 
 from typing import Any, List, Sequence
 
+from deepcompile.integrations.deepspeed_api import ds_groups as groups  # noqa: F401 - deepspeed.utils.groups
 from deepcompile.integrations.deepspeed_api import ds_logging as logging  # deepspeed.utils.logging
 from deepcompile.integrations.deepspeed_api import zero_to_fp32  # noqa: F401 - deepspeed.utils.zero_to_fp32
 from deepcompile.integrations.deepspeed_api._missing import module_getattr, refused
