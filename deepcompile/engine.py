@@ -25,6 +25,7 @@ from deepcompile.config import Config
 from deepcompile.faults import stop_watching, watch_ranks
 from deepcompile.memory.budget import memory_budget
 from deepcompile.offload.settings import parameter_offload_keys
+from deepcompile.passes.tiled_loss import TiledLoss
 from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
@@ -177,7 +178,7 @@ class Engine:
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
-                                              sequence_parallel=self.sequence_parallel)
+                                              captured_graph_passes=self._captured_graph_passes())
         self._compiled: Optional[nn.Module] = None  # what forward runs; None: the module itself
         self.compiled_as: Optional[CompiledAs] = None  # the arguments of the last compile(); None: eager
         self.summary_line: Optional[str] = None  # logged at the first forward (run_summary.py)
@@ -188,6 +189,16 @@ class Engine:
         auto = config.compile.auto_compile
         if compile_by_default if auto is None else auto:
             self.compile(config.compile.backend)
+
+    def _captured_graph_passes(self) -> List[Any]:
+        """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
+        (sequence_parallel/), then compile.tiled_loss (passes/tiled_loss.py)."""
+        passes = [self.sequence_parallel.rewrite] if self.sequence_parallel.enabled else []
+        self.tiled_loss = TiledLoss(self.config.compile.tiled_loss_chunk_tokens) if self.config.compile.tiled_loss \
+            else None
+        if self.tiled_loss is not None:
+            passes.append(self.tiled_loss.rewrite)
+        return passes
 
     def _sizes_report(self) -> SizesReport:
         persistent = self.sharding.persistent_ids()
@@ -228,10 +239,10 @@ class Engine:
         for hook in self._at["before_forward"]:
             hook(moment, args, kwargs)
         module = self._compiled if self._compiled is not None else self.module
-        if self.sequence_parallel.enabled and self._compiled is None:
-            raise RuntimeError("deepcompile: sequence_parallel_size > 1 needs a compiled engine (call engine.compile() "
-                               "first): attention's all-to-alls are a graph pass, so uncompiled every rank would "
-                               "attend over its own slice of the sequence only")
+        if self._compiled is None and (self.sequence_parallel.enabled or self.tiled_loss is not None):
+            what = "sequence_parallel_size > 1" if self.sequence_parallel.enabled else "compile.tiled_loss"
+            raise RuntimeError(f"deepcompile: {what} needs a compiled engine (call engine.compile() first): it is a "
+                               "pass over the compiled graph, which an uncompiled forward would run without")
         self.sequence_parallel.check_inputs(args, kwargs)
         self._watch("forward")
         self._enter(moment, "forward")
@@ -248,6 +259,12 @@ class Engine:
                 "torch.nn.functional.scaled_dot_product_attention for the pass to split, so each rank attended "
                 "over its own slice only. Load the model with attn_implementation=\"sdpa\" (other attention "
                 "kernels are not supported yet)")
+        if self.tiled_loss is not None and self.tiled_loss.replaced == 0:
+            raise RuntimeError(
+                "deepcompile: compile.tiled_loss is on, but the compiled forward computed no "
+                "cross_entropy over a linear layer's output (a causal LM's loss from its LM head, as transformers "
+                "computes it when labels are given) for the pass to tile; pass labels to the model, or turn "
+                "compile.tiled_loss off")
         return out
 
     def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None,

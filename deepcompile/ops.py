@@ -11,6 +11,9 @@ Two namespaces:
 * ``dcact`` (Python, defined here): activation offload. Schemas and fake kernels live here; the
   CPU/CUDA kernels act on the run-time offload state and are handed in by
   ``offload/activation_ops.py`` (:func:`register_activation_kernels`), which documents the ops.
+* ``dcloss`` (Python, defined here): the tiled loss (cross-entropy over a linear layer's output,
+  computed a chunk of tokens at a time). Schemas, fake kernels and the autograd formula live here;
+  the kernels are handed in by ``memory/tiled_loss_kernels.py`` (:func:`register_tiled_loss_kernels`).
 * ``dcsp`` (Python, defined here): sequence parallelism's all-to-all. Schema, fake kernel and
   autograd formula live here; the CPU/CUDA kernel reaches the process group and is handed in by
   ``sequence_parallel/all_to_all.py`` (:func:`register_sequence_parallel_kernel`).
@@ -33,7 +36,8 @@ from deepcompile import _C  # noqa: F401  (loading the extension registers the d
 RUNTIME_NAMESPACE = "dc"
 ACTIVATION_NAMESPACE = "dcact"
 SEQUENCE_PARALLEL_NAMESPACE = "dcsp"
-NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE, SEQUENCE_PARALLEL_NAMESPACE)
+TILED_LOSS_NAMESPACE = "dcloss"
+NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE, SEQUENCE_PARALLEL_NAMESPACE, TILED_LOSS_NAMESPACE)
 
 _dc = getattr(torch.ops, RUNTIME_NAMESPACE)
 
@@ -210,6 +214,72 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, g
     return ALL_TO_ALL(x, scatter_dim, gather_dim, ranks, group)
 
 
+# ---- dcloss: the tiled loss (kernels: memory/tiled_loss_kernels.py) ---------------------------
+
+_TILED_LOSS_LIB = torch.library.Library(TILED_LOSS_NAMESPACE, "DEF")
+# cross_entropy(hidden @ weight.T, labels) without the [tokens, vocab] logits: ``hidden`` is
+# [tokens, features], ``weight`` [vocab, features], ``labels`` [tokens]; ``reduction`` "mean"
+# (over labels other than ``ignore_index``) or "sum"; ``chunk`` tokens at a time. The loss is fp32,
+# as transformers' causal-LM losses are (they upcast the logits).
+_TILED_LOSS_LIB.define("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, int ignore_index, "
+                       "str reduction, int chunk) -> Tensor")
+_TILED_LOSS_LIB.define("linear_cross_entropy_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor labels, "
+                       "int ignore_index, str reduction, int chunk) -> (Tensor, Tensor)")
+
+
+def _fake_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction, chunk):
+    return hidden.new_empty((), dtype=torch.float32)
+
+
+def _fake_linear_cross_entropy_backward(grad, hidden, weight, labels, ignore_index, reduction, chunk):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+_TILED_LOSS_LIB.impl("linear_cross_entropy", _fake_linear_cross_entropy, "Meta")
+_TILED_LOSS_LIB.impl("linear_cross_entropy_backward", _fake_linear_cross_entropy_backward, "Meta")
+_dcloss = getattr(torch.ops, TILED_LOSS_NAMESPACE)
+LINEAR_CROSS_ENTROPY = _dcloss.linear_cross_entropy.default
+LINEAR_CROSS_ENTROPY_BACKWARD = _dcloss.linear_cross_entropy_backward.default
+
+
+def _linear_cross_entropy_setup(ctx: Any, inputs: Tuple[Any, ...], output: torch.Tensor) -> None:
+    hidden, weight, labels, ctx.ignore_index, ctx.reduction, ctx.chunk = inputs
+    ctx.save_for_backward(hidden, weight, labels)
+
+
+def _linear_cross_entropy_grad(ctx: Any, grad: torch.Tensor):
+    # The logits are recomputed a chunk at a time in the backward too: nothing of size
+    # [tokens, vocab] is saved between the two.
+    hidden, weight, labels = ctx.saved_tensors
+    grad_hidden, grad_weight = LINEAR_CROSS_ENTROPY_BACKWARD(grad, hidden, weight, labels, ctx.ignore_index,
+                                                             ctx.reduction, ctx.chunk)
+    return grad_hidden, grad_weight, None, None, None, None
+
+
+torch.library.register_autograd(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy", _linear_cross_entropy_grad,
+                                setup_context=_linear_cross_entropy_setup, lib=_TILED_LOSS_LIB)
+
+
+def register_tiled_loss_kernels(forward: Callable, backward: Callable) -> None:
+    """The CPU and CUDA kernels of the two ``dcloss`` ops."""
+    for dispatch_key in ("CPU", "CUDA"):
+        _TILED_LOSS_LIB.impl("linear_cross_entropy", forward, dispatch_key)
+        _TILED_LOSS_LIB.impl("linear_cross_entropy_backward", backward, dispatch_key)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                         reduction: str, chunk: int) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, labels)`` in fp32, ``chunk`` tokens at a time (differentiable)."""
+    return LINEAR_CROSS_ENTROPY(hidden, weight, labels, ignore_index, reduction, chunk)
+
+
+def linear_cross_entropy_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  labels: torch.Tensor, ignore_index: int, reduction: str,
+                                  chunk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`linear_cross_entropy` for ``hidden`` and ``weight``."""
+    return LINEAR_CROSS_ENTROPY_BACKWARD(grad, hidden, weight, labels, ignore_index, reduction, chunk)
+
+
 # ---- the registry ------------------------------------------------------------------------------
 
 
@@ -257,6 +327,10 @@ REGISTRY: Tuple[OpEntry, ...] = (
     _dcact_entry(free_after, FREE_AFTER),
     OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::all_to_all", all_to_all, {"default": ALL_TO_ALL},
             "deepcompile/ops.py, _fake_all_to_all"),
+    OpEntry(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy", linear_cross_entropy,
+            {"default": LINEAR_CROSS_ENTROPY}, "deepcompile/ops.py, _fake_linear_cross_entropy"),
+    OpEntry(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy_backward", linear_cross_entropy_backward,
+            {"default": LINEAR_CROSS_ENTROPY_BACKWARD}, "deepcompile/ops.py, _fake_linear_cross_entropy_backward"),
 )
 
 # Graphs call these for their effect alone (their results, if any, unused): dead-code removal must

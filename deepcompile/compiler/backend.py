@@ -28,7 +28,7 @@ import functools
 import itertools
 import logging
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -73,7 +73,8 @@ class DeepCompileBackend:
     """
 
     def __init__(self, stage: int, ds_id_of: Dict[int, int], driver: Any, inner: str = "inductor",
-                 sharding: Optional[Sharding] = None, activations: Any = None, sequence_parallel: Any = None):
+                 sharding: Optional[Sharding] = None, activations: Any = None,
+                 captured_graph_passes: Sequence[Callable[[GraphModule], Any]] = ()):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner compiler must be 'inductor' or 'eager', got {inner!r}")
         self.inner = inner
@@ -88,9 +89,9 @@ class DeepCompileBackend:
         self.instances: Dict[int, GraphInstance] = {}  # graph id -> instance (compiler/graph_instances.py)
         # compile.free_activation / offload_activation (offload/activations.py), or None.
         self.activations = activations
-        # Ulysses sequence parallelism (sequence_parallel/), or None: its pass runs on the graph
-        # Dynamo captured, before everything else, so aot_autograd traces its backward too.
-        self.sequence_parallel = sequence_parallel
+        # Rewrites of the graph Dynamo captured (sequence parallelism's attention pass, the tiled
+        # loss), run before everything else, so that aot_autograd traces their backward too.
+        self.captured_graph_passes = list(captured_graph_passes)
         compat.mark_ops_side_effectful(ops.SIDE_EFFECTFUL)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "DeepCompileBackend":
@@ -104,8 +105,8 @@ class DeepCompileBackend:
     def __call__(self, gm: GraphModule, example_inputs: List[Any]):
         # Dynamo keeps using ``gm`` after this returns: the template compiles a copy (it gains an
         # input), and another copy stays as captured, for other parameter positions.
-        if self.sequence_parallel is not None:
-            self.sequence_parallel.rewrite(gm)
+        for rewrite in self.captured_graph_passes:
+            rewrite(gm)
         pristine = _copy_graph_module(gm)
         compiled, first, shared = self._compile_template(_copy_graph_module(gm), list(example_inputs))
         positions = tuple(i for i, _ in binding_of(example_inputs, self._ds_id_of))
@@ -201,7 +202,7 @@ class DeepCompileBackend:
         self.driver = None
         self._ds_id_of = {}
         self._sharding = None
-        self.sequence_parallel = None
+        self.captured_graph_passes = []
         for graph in self._shared_graphs:
             graph.detach()
         self._shared_graphs = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -36,9 +36,11 @@ _ACTIVE: Optional["CompiledModule"] = None
 
 class CompiledModule:
     def __init__(self, module: nn.Module, stage: int, ds_id_of: Dict[int, int], driver: Any, rank: int,
-                 sharding: Optional[Sharding] = None, activations: Any = None, sequence_parallel: Any = None):
+                 sharding: Optional[Sharding] = None, activations: Any = None,
+                 captured_graph_passes: Sequence[Callable[[nn.Module], Any]] = ()):
         self.module = module
-        self.sequence_parallel = sequence_parallel  # sequence_parallel.SequenceParallel, or None
+        # Rewrites of each graph as Dynamo captured it (DeepCompileBackend runs them first).
+        self.captured_graph_passes = list(captured_graph_passes)
         self.activations = activations  # compile.free_activation / offload_activation, or None
         self._sharding = sharding  # see DeepCompileBackend
         self.stage = stage
@@ -124,7 +126,7 @@ class CompiledModule:
         if inner not in self._backends:
             self._backends[inner] = DeepCompileBackend(self.stage, self._ds_id_of, self.driver, inner=inner,
                                                        sharding=self._sharding, activations=self.activations,
-                                                       sequence_parallel=self.sequence_parallel)
+                                                       captured_graph_passes=self.captured_graph_passes)
         return self._backends[inner]
 
     @property

@@ -63,6 +63,13 @@ class CompileConfig(Section):
                                 "(compiled graphs, every backend and stage).")
     free_activation_threshold: int = key(integer(0), 10 * 1024 * 1024,
                                          "Bytes; free_activation frees tensors larger than this.")
+    tiled_loss: bool = key(
+        boolean, False, "Compute a causal LM's loss (cross-entropy over its LM head's output) a chunk of tokens at a "
+        "time, in the forward and again in the backward, so the [tokens, vocab] logits, their fp32 upcast and their "
+        "gradient are never held whole (passes/tiled_loss.py). The model's returned logits are then an expanded NaN "
+        "of their shape (no memory). Needs a compiled engine; a forward that computed no such loss raises.")
+    tiled_loss_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_loss; 0: as many as fit "
+                                       "256 MiB of fp32 logits (about 2100 tokens at a 32k vocabulary, 520 at 128k).")
     offload_activation: bool = key(boolean, False, "Copy saved activations to host memory in the forward and reload "
                                    "them ahead of their use in the backward, as far as the memory budget requires "
                                    "(compiled graphs).")

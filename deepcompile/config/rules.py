@@ -192,6 +192,13 @@ def _sequence_parallel_needs_compile(c, facts) -> Optional[str]:
     return None
 
 
+def _tiled_loss_needs_compile(c, facts) -> Optional[str]:
+    if c.compile.tiled_loss and c.compile.auto_compile is False:
+        return ("compile.tiled_loss with compile.auto_compile false: the tiled loss is a pass over the compiled "
+                "graph. Leave auto_compile unset and call engine.compile()")
+    return None
+
+
 REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.offload_param", "parse",
          _param_offload_stage("zero_optimization.offload_param", lambda c: c.zero_optimization.offload_param)),
@@ -214,6 +221,7 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_divides_world),
     Rule("sequence_parallel_size", "resolve", _sequence_parallel_divides_world),
     Rule("sequence_parallel_size", "parse", _sequence_parallel_needs_compile),
+    Rule("compile.tiled_loss", "parse", _tiled_loss_needs_compile),
 )
 
 
