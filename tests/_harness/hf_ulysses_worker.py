@@ -69,8 +69,16 @@ def run_accelerate(args):
         accelerator.backward(loss)
         optimizer.step()
         losses.append(loss.item())
+    # An evaluation forward runs the module uncompiled (no all-to-alls): a slice must be refused.
+    model.eval()
+    try:
+        model(**batch)
+        eval_refusal = None
+    except RuntimeError as e:
+        eval_refusal = str(e)
+    model.train()
     state = accelerator.get_state_dict(model)
-    return {"losses": losses, "loader_length": len(dl), "engine": type(model).__module__,
+    return {"losses": losses, "loader_length": len(dl), "engine": type(model).__module__, "eval_refusal": eval_refusal,
             "sequence_parallel_size": model.engine.sequence_parallel.size,
             "rewritten_calls": model.engine.sequence_parallel.rewritten_calls}, state
 

@@ -64,6 +64,8 @@ def test_accelerate_alst_loop_zero2_matches_one_process(tmp_path):
     # accelerate hands each rank half the loader's batches; the adapter makes it twice as long again
     assert result["loader_length"] == ulysses_case.ROWS // ulysses_case.MICRO_BATCH
     _check(result)
+    # Evaluation runs uncompiled, without the all-to-alls: a slice of a batch is refused there.
+    assert result["eval_refusal"] and "whole sequences" in result["eval_refusal"], result["eval_refusal"]
 
 
 def test_trainer_alst_zero3_matches_one_process(tmp_path):

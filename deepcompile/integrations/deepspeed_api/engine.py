@@ -201,6 +201,13 @@ class DeepSpeedEngine(nn.Module):
             return self.engine(*args, **kwargs)
         # Evaluation: no backward follows, so none of the engine's micro-step accounting applies;
         # the model's ZeRO hooks gather what it uses.
+        if self.engine.sequence_parallel.enabled and "shift_labels" in kwargs:
+            # A sequence-parallel slice (UlyssesSPDataLoaderAdapter's batches carry shift_labels):
+            # the uncompiled module would attend over this rank's slice only.
+            raise RuntimeError("deepcompile: an evaluation forward (eval mode or no_grad) got a sequence-parallel slice "
+                               "of a batch; evaluation runs the model uncompiled, without attention's all-to-alls, so "
+                               "evaluate on whole sequences (do not pass the evaluation loader through "
+                               "UlyssesSPDataLoaderAdapter)")
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
