@@ -107,21 +107,23 @@ def test_peer_rows_ignore_the_layout_options():
             deepspeed_peer.deepspeed_config(plain, key, adamw, False), key
 
 
-def test_layout_keys_are_read_by_deepcompiles_config_or_refused_by_name():
-    """The bench passes the keys through: hybrid sharding's is read; hpZ's is read once the engine
-    implements it and until then refused with an error naming the key (the row's note)."""
+def test_layout_keys_are_read_by_deepcompiles_config():
+    """The bench passes the keys through and deepcompile's config reads both: hybrid sharding's and
+    hpZ's (implemented: tests/parity/test_hpz.py). A refusal of either fails here (it used to be
+    accepted for hpZ, which made the test pass whether the key was read or refused)."""
     import deepcompile.config as dc_config
 
     args = tb.parse_args(["--methods", "z3"])
     hybrid = tb.deepcompile_config(layouts.with_layout(args, layouts.parse("2x1")), 3)
     assert dc_config.Config.from_any(hybrid).zero_optimization.mics_shard_size == 1
     hpz = tb.deepcompile_config(layouts.with_layout(args, layouts.parse("hpz2")), 3)
-    try:
-        parsed = dc_config.Config.from_any(hpz)
-    except Exception as e:  # not implemented yet: a clear refusal, which the row reports as its error
-        assert "zero_hpz_partition_size" in str(e)
-    else:
-        assert parsed.zero_optimization.zero_hpz_partition_size == 2
+    parsed = dc_config.Config.from_any(hpz)
+    assert parsed.zero_optimization.zero_hpz_partition_size == 2
+    # Resolved on a world it divides (what a 4-GPU bench row runs), the key survives; on one it
+    # does not divide, the refusal names it (the row's note).
+    assert parsed.resolve(4).zero_optimization.zero_hpz_partition_size == 2
+    with pytest.raises(Exception, match="zero_hpz_partition_size"):
+        parsed.resolve(3)
 
 
 @pytest.mark.parametrize("argv, message", [
