@@ -92,12 +92,23 @@ def test_a_rank_whose_peer_fell_silent_exits_naming_it_and_raises_the_alarm():
 
 
 def test_a_finished_rank_raises_no_alarm_and_a_failure_is_reported_from_the_alarm():
+    from deepcompile.faults.status import DONE, RankStatus
+
     store, exits, err = dist.HashStore(), [], io.StringIO()
     finished = _watchdog(store, 1, 1.0, [], io.StringIO()).start()
     watchdog = _watchdog(store, 0, 1.0, exits, err).start()
     finished.stop()  # "done": silent from now on, and no alarm for it
+    own_key = "deepcompile/faults/unit/0"
+    beats_before = RankStatus.decode(store.get(own_key)).beat
     time.sleep(2.5)
     assert exits == [] and watchdog.running
+    # ... and not because the watchdog never ran: it kept beating (every 0.1 s at timeout 1 s:
+    # about 25 beats in 2.5 s) and it read the finished peer's record (the judge's last reading
+    # of rank 1 says "done").
+    beats = RankStatus.decode(store.get(own_key)).beat - beats_before
+    assert beats >= 5, f"the watchdog published {beats} heartbeats in 2.5 s at a 0.1 s interval"
+    last = watchdog._judge.last(1)
+    assert last is not None and last.state == DONE, f"the watchdog's last reading of the finished rank: {last}"
     store.set("deepcompile/faults/unit/alarm", "rank 1 failed during forward of step 2: ValueError: boom")
     assert _wait_for(lambda: exits)
     assert "rank 1 failed during forward of step 2: ValueError: boom. Rank 0" in err.getvalue()
