@@ -12,6 +12,8 @@ Every rank writes ``P.rank<r>.json``:
 * ``scales``: per optimizer step, the loss scale, ``optimizer.overflow``, a checksum of this
   rank's parameter values after the step (what a skipped step leaves unchanged) and the step's
   bytes per link (``step_report.comm_bytes``);
+* with ``--save-shards``: ``P.rank<r>.shards.pt``, per optimizer step this rank's shard of every
+  parameter (name -> values, after the step), for elementwise comparisons;
 * ``precision``: what the run computed in: the dtypes of every ``linear`` of the graphs deepcompile's
   backend compiled (weight, input, output), of the ``nn.Linear`` calls that ran eagerly
   (uncompiled), what ZeRO-3's gathers return, the master shards and the gradient partitions the
@@ -108,12 +110,14 @@ def main() -> None:
     parser.add_argument("--probe-out", required=True)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--poison-rank", type=int, default=1)
+    parser.add_argument("--save-shards", action="store_true")
     ours, rest = sys.argv[1:], []
     if "--" in ours:
         cut = ours.index("--")
         ours, rest = ours[:cut], ours[cut + 1:]
     args = parser.parse_args(ours)
     record: dict = {"scales": [], "compile_calls": 0}
+    shards_per_step: list = []
     real_initialize = deepspeed.initialize
     _spy_compiled_linears(record)
 
@@ -169,6 +173,9 @@ def main() -> None:
                                          "overflow": bool(engine.optimizer.overflow),
                                          "checksum": sum(float(s.local.double().sum()) for s in shards),
                                          "comm_bytes": engine.engine.step_report.comm_bytes})
+                if args.save_shards:
+                    shards_per_step.append({s.name: s.local.detach().cpu().clone()
+                                            for s in engine.engine.sharding.shards()})
 
         engine.step = step
         return engine, optimizer, loader, scheduler
@@ -181,6 +188,8 @@ def main() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(f"{args.probe_out}.rank{rank}.json", "w") as f:
             json.dump(record, f)
+        if args.save_shards:
+            torch.save(shards_per_step, f"{args.probe_out}.rank{rank}.shards.pt")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ a forward hook given by a command-line argument, so nothing leaks into this proc
 
 * before the skipped step, the runs are the same, bitwise (same ranks, same work);
 * the step whose gradients overflowed is skipped on both ranks: ``optimizer.overflow`` true,
-  each rank's parameter values unchanged (the checksum of its shard of the fp32 masters), the
+  each rank's parameter values unchanged (its shard of the fp32 masters, element by element), the
   loss scale halved (``optimizer.cur_scale``, as DeepSpeed users read it); the Trainer logs a
   non-finite grad norm for it and counts it as a step, as with DeepSpeed;
 * after it, the training state is the clean run's one step earlier: parameters as after the
@@ -29,6 +29,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from _harness import hf_launch
 
@@ -64,13 +65,19 @@ def runs(tmp_path_factory):
     for name, poison in (("clean", ["--poison-step", "1000000", "--poison-rank", "1"]),
                          ("poisoned", ["--poison-step", str(POISON_STEP), "--poison-rank", "1"])):
         hf_launch.torchrun(hf_launch.TRAINER_PROBE, [
-            "--probe-out", str(base / f"{name}_probe"), *poison, "--",
+            "--probe-out", str(base / f"{name}_probe"), "--save-shards", *poison, "--",
             "--deepspeed", str(config), "--fp16", "--micro-batch", str(MICRO), "--rows", str(ROWS),
             "--accumulation", str(ACCUM), "--output-dir", str(base / name), "--out", str(base / f"{name}.json")],
             nproc=WORLD)
         results[name] = {"log": hf_launch.read_json(base / f"{name}.json"),
-                         "ranks": [hf_launch.read_json(f"{base / name}_probe.rank{r}.json") for r in range(WORLD)]}
+                         "ranks": [hf_launch.read_json(f"{base / name}_probe.rank{r}.json") for r in range(WORLD)],
+                         "shards": [torch.load(f"{base / name}_probe.rank{r}.shards.pt") for r in range(WORLD)]}
     return results
+
+
+def _same_values(a, b) -> bool:
+    """Two records of one rank's parameter shards (name -> values): equal element by element."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _per_step(result, key):
@@ -90,7 +97,10 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(runs):
                                                      for i in range(STEPS)], rank
         # Before the overflow the runs are one run; the skipped step leaves the values as they were.
         assert p["scales"][:SKIPPED] == c["scales"][:SKIPPED], rank
-        assert p["scales"][SKIPPED]["checksum"] == p["scales"][SKIPPED - 1]["checksum"], rank
+        ps, cs = poisoned["shards"][rank], clean["shards"][rank]
+        assert len(ps) == len(cs) == STEPS and ps[0], rank
+        assert all(_same_values(ps[i], cs[i]) for i in range(SKIPPED)), rank
+        assert _same_values(ps[SKIPPED], ps[SKIPPED - 1]), rank
     for key in ("loss", "grad_norm", "learning_rate"):
         assert _per_step(poisoned, key)[:SKIPPED] == _per_step(clean, key)[:SKIPPED], key
     assert not math.isfinite(float(_per_step(poisoned, "grad_norm")[SKIPPED]))
@@ -105,10 +115,12 @@ def test_fp16_after_the_skipped_step_training_is_the_clean_run_one_step_behind(r
     assert lrs[SKIPPED + 1:] == clean_lrs[SKIPPED:-1]
     assert lrs[SKIPPED + 1:] != clean_lrs[SKIPPED + 1:]  # the comparison above can fail
     for rank in range(WORLD):
-        p, c = poisoned["ranks"][rank]["scales"], clean["ranks"][rank]["scales"]
-        # After the skipped step each rank holds what it held after the clean run's step before it.
-        assert p[SKIPPED]["checksum"] == c[SKIPPED - 1]["checksum"], rank
-        assert p[SKIPPED + 1]["checksum"] != p[SKIPPED]["checksum"], rank  # and training goes on
+        p, c = poisoned["shards"][rank], clean["shards"][rank]
+        # After the skipped step each rank holds what it held after the clean run's step before it,
+        # element by element.
+        assert _same_values(p[SKIPPED], c[SKIPPED - 1]), rank
+        assert not _same_values(p[SKIPPED + 1], p[SKIPPED]), rank  # and training goes on
+        assert not _same_values(p[SKIPPED], c[SKIPPED]), rank  # the comparisons above can fail
     ranks = poisoned["ranks"]
     assert all([(s["overflow"], s["scale"]) for s in r["scales"]] == [(s["overflow"], s["scale"]) for s in ranks[0]["scales"]]
                for r in ranks)
