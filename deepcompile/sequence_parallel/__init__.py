@@ -13,7 +13,7 @@ docs/design/sequence-parallel.md describes the whole.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -100,9 +100,14 @@ class SequenceParallel:
         """This rank's slice of a batch of whole sequences (batch.py); the batch as it is when off."""
         return shard_batch(batch, self.rank, self.size, pad_token_id) if self.enabled else dict(batch)
 
-    def loss(self, loss: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        """The mean over the whole sequence's tokens, from this slice's mean (loss.py)."""
-        return global_token_mean(loss, shift_labels, self.group) if self.enabled else loss
+    def loss(self, loss: torch.Tensor, shift_labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """The mean over the whole sequence's tokens, from this slice's mean (loss.py); ``loss``
+        itself when off (``shift_labels`` may then be None: an unsharded batch has none)."""
+        if not self.enabled:
+            return loss
+        if shift_labels is None:
+            raise ValueError("sequence parallelism: loss() needs the slice's shift_labels (from shard())")
+        return global_token_mean(loss, shift_labels, self.group)
 
     def close(self) -> None:
         if self.group_key:

@@ -10,8 +10,8 @@ Cases: SP 2 (world 2), SP 4 (world 4: 2 key/value heads repeated over 4 ranks), 
 (world 4), with ZeRO-1, 2 and 3, AdamW and SGD with momentum. Composed with what the engine already
 does: Inductor with gradient accumulation; per-layer graphs with transformers' activation
 checkpointing and the optimizer step in the backward; optimizer-state and activation offload with
-free_activation; hybrid sharding (SP 2 x DP 2 with shard groups of 2); Qwen2-MoE (its experts a
-custom op). Each launch also breaks the method once on purpose and asserts parity then fails: the
+free_activation and the tiled loss (compile.tiled_loss, also without sequence parallelism); hybrid
+sharding (SP 2 x DP 2 with shard groups of 2); Qwen2-MoE (its experts a custom op). Each launch also breaks the method once on purpose and asserts parity then fails: the
 attention all-to-alls left out (each rank attends over its slice only), and each rank's own slice
 mean used as the loss.
 
@@ -107,7 +107,9 @@ def train_sequence_parallel(sp: int, stage: int, optimizer: str, *, slice_loss: 
             local = seq.shard({"input_ids": tokens, "labels": tokens})
             assert local["input_ids"].shape[1] == SEQUENCE // sp
             out = engine(**local, use_cache=False)
-            loss = out.loss if slice_loss else seq.loss(out.loss, local["shift_labels"])
+            if features.get("compile", {}).get("tiled_loss"):  # the logits were never computed
+                assert out.logits.isnan().all() and set(out.logits.stride()) == {0}, out.logits.stride()
+            loss = out.loss if slice_loss else seq.loss(out.loss, local.get("shift_labels"))
             engine.backward(loss)
             norm = engine.step()
             if norm is not None:
@@ -117,8 +119,10 @@ def train_sequence_parallel(sp: int, stage: int, optimizer: str, *, slice_loss: 
             losses.append(total.item() / dist.get_world_size())
         params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
         # Both layers' attention; per-layer graphs compile one layer's code once for both.
-        expected = 1 if features.get("regional") else 2
+        expected = 0 if sp == 1 else 1 if features.get("regional") else 2
         assert seq.rewritten_calls == expected, (seq.rewritten_calls, expected)
+        if features.get("compile", {}).get("tiled_loss"):
+            assert engine.tiled_loss.replaced == 1, engine.tiled_loss.replaced
         return RunResult(losses, params, norms)
     finally:
         engine.destroy()
@@ -165,9 +169,13 @@ def test_sequence_parallel_2_matches_one_process():
              (2, 3, "sgd_momentum", {"backend": "inductor", "gas": 2}),
              (2, 3, "adamw", {"regional": True, "checkpointing": True,
                               "compile": {"optimizer_step_in_backward": True}}),
+             # with the tiled loss, its chunk leaving a remainder (16 tokens per rank: 5, 5, 5, 1)
              (2, 3, "sgd_momentum", {"compile": {"offload_opt_states": True, "offload_activation": True,
-                                                 "free_activation": True}}),
-             (2, 3, "adamw", {"model": "qwen2_moe"})]
+                                                 "free_activation": True, "tiled_loss": True,
+                                                 "tiled_loss_chunk_tokens": 5}}),
+             (2, 3, "adamw", {"model": "qwen2_moe"}),
+             # the tiled loss without sequence parallelism (SP 1: data parallelism over 2 ranks)
+             (1, 3, "adamw", {"compile": {"tiled_loss": True, "tiled_loss_chunk_tokens": 5}})]
     run_distributed(_parity_body, world_size=2, args=(cases, 2), timeout=TIMEOUT)
 
 
