@@ -97,6 +97,7 @@ def test_time_to_the_first_scheduled_step_and_the_ratio_to_fsdp2():
     train_bench.compare_with_fsdp2(without)  # no FSDP2 row in the run: no ratio
     assert without[0].vs_fsdp2 is None
 
+@pytest.mark.world_size(1)  # torchrun --nproc-per-node 1
 def test_checkpointing_memory_runs_on_cpu_and_checkpointing_saves_only_layer_inputs(tmp_path):
     """bench/checkpointing_memory.py end to end (one rank, gloo, the tiny preset, ZeRO-3), as the
     GPU run uses it. Checkpointed, the compiled forward may keep for the backward only the layers'
@@ -393,6 +394,7 @@ def _train_bench(args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.world_size(1)  # row processes of --nproc 1 (the default)
 def test_isolated_offload_rows_run_on_cpu_each_in_its_own_process(tmp_path):
     """train_bench.py --isolate with the offload rows on the tiny model (one rank, gloo, meta init),
     3 steps on one repeated batch (--same-batch): every row comes back from its own process and the
@@ -480,6 +482,7 @@ def test_largest_model_search_order():
     assert nxt(layers, {40: False}, "binary") == 24
 
 
+@pytest.mark.world_size(1)  # tries of --nproc 1 (the default)
 def test_largest_model_reports_what_trains_and_why_the_rest_fails_on_cpu(tmp_path):
     """bench/largest_model.py end to end on CPU with a tiny 7B-shaped stand-in (2 layers of width
     64): deepcompile ZeRO-3 trains at the largest count tried (binary search: one try); the
@@ -530,6 +533,7 @@ def test_merge_joins_the_tables_of_separate_runs_and_takes_the_ratio_across_them
     assert merged["pcie"] == pcie and merged["env"]["part 2"].startswith(str(b))
 
 
+@pytest.mark.world_size(1)  # a row process of --nproc 1 (the default)
 def test_stopping_an_isolated_run_stops_its_row_process(tmp_path):
     """``timeout`` around the whole run sends SIGTERM to the parent only; the row process runs in
     a session of its own and must be stopped with it, or it keeps the device for the next command."""

@@ -27,6 +27,7 @@ def cpu_only(monkeypatch):
     monkeypatch.setattr(row_process, "stop_children_on_termination", lambda: None)  # pytest keeps its SIGTERM
 
 
+@pytest.mark.world_size(2)  # one torchrun child of 2 ranks per row
 def test_dc_trains_two_lengths_and_the_other_rows_say_why(cpu_only, tmp_path, capsys):
     out, md = tmp_path / "rows.json", tmp_path / "table.md"
     code = bench.main(["--preset", "tiny", "--nproc", "2", "--systems", "dc,ds-alst", "--seqs", "64,65,128",

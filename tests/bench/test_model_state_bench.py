@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from _harness.paths import ROOT
 
 
+@pytest.mark.world_size(1)  # torchrun --nproc-per-node 1
 def test_model_state_bench_tiny_runs_every_phase(tmp_path):
     out = tmp_path / "result.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")

@@ -372,6 +372,7 @@ def _blocked_rank(tmp_path, native, timeout_s):
             p.wait()
 
 
+@pytest.mark.world_size(2)  # rank 0 of 2, its peer a stand-in
 def test_a_rank_whose_main_thread_waits_in_native_code_still_exits_naming_the_failed_rank(tmp_path):
     """Over NCCL a survivor never raises: its main thread waits in a CUDA or NCCL call for a peer
     that is gone. Those calls release the GIL, so the watchdog's threads run and end the process
@@ -482,6 +483,7 @@ def test_a_rank_killed_anywhere_in_save_checkpoint_leaves_the_previous_checkpoin
 # ---- torchrun --max-restarts: examples/elastic_restart.py ----------------------------------------
 
 
+@pytest.mark.world_size(2)  # torchrun --nproc-per-node 2
 def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_as_an_uninterrupted_run(tmp_path):
     def torchrun(name, restarts, **env):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

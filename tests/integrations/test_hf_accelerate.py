@@ -59,10 +59,12 @@ def plugin_run(tmp_path_factory):
     return base, hf_launch.read_json(base / "run.json")
 
 
+@pytest.mark.world_size(WORLD)  # torchrun at WORLD ranks
 def test_accelerate_deepspeed_plugin_matches_single_process(plugin_run):
     _check(plugin_run[1])
 
 
+@pytest.mark.world_size(WORLD)  # torchrun at WORLD ranks
 def test_accelerate_load_state_continues_exactly(plugin_run):
     """accelerator.load_state of the state saved after step 3, then skip_first_batches: steps
     4..6 are those of the uninterrupted run, bitwise (same ranks, same work)."""
@@ -75,6 +77,7 @@ def test_accelerate_load_state_continues_exactly(plugin_run):
     assert resumed["lrs"] == full["lrs"][3:]
 
 
+@pytest.mark.world_size(WORLD)  # LAUNCH_CONFIG's num_processes
 def test_accelerate_launch_config_file_matches_single_process(tmp_path):
     """``accelerate launch --config_file`` (distributed_type DEEPSPEED naming the DeepSpeed
     config): the launcher sets ACCELERATE_* variables and the script builds its plugin from them."""
@@ -85,6 +88,7 @@ def test_accelerate_launch_config_file_matches_single_process(tmp_path):
     _check(hf_launch.read_json(out))
 
 
+@pytest.mark.world_size(WORLD)  # LAUNCH_CONFIG's num_processes
 def test_accelerate_regional_compilation_becomes_deepcompile_per_layer_graphs(tmp_path):
     """accelerate's regional compilation (``use_regional_compilation``): accelerate compiles each
     repeated block in place around the engine (plain torch.compile over the eager ZeRO hooks);
@@ -149,6 +153,7 @@ def test_serve_refuses_after_accelerate_decided_deepspeed_is_absent():
     assert "must run before accelerate is imported" in proc.stderr
 
 
+@pytest.mark.world_size(WORLD)  # torchrun at WORLD ranks
 def test_accelerate_optimizer_offload_config_matches_single_process(tmp_path):
     """offload_optimizer {device: cpu}: accelerate swaps the torch AdamW for
     deepspeed.ops.adam.DeepSpeedCPUAdam (served as torch's AdamW, deepcompile keeping its state on
@@ -170,6 +175,7 @@ def test_served_cpu_adam_is_torch_adam_with_the_same_update():
     assert proc.stdout.split() == ["AdamW", "Adam"]
 
 
+@pytest.mark.world_size(WORLD)  # torchrun at WORLD ranks
 def test_accelerate_short_last_window_matches_single_process(tmp_path):
     """11 micro-batches per rank with 2 per window, two epochs: accelerate ends each epoch's last
     window after one micro-batch (end of the loader) through set_gradient_accumulation_boundary;

@@ -40,6 +40,7 @@ STEPS = ROWS // (MICRO * WORLD)
 TOL = dict(rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.world_size(WORLD)  # torchrun at WORLD ranks
 def test_sft_trainer_zero3_matches_single_process(tmp_path):
     hf_launch.torchrun(WORKER, ["--deepspeed", DS_CONFIG, "--micro-batch", str(MICRO), "--rows", str(ROWS),
                                 "--output-dir", str(tmp_path / "ds"), "--out", str(tmp_path / "ds.json")], nproc=WORLD)

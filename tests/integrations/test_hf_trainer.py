@@ -21,6 +21,7 @@ from _harness import hf_launch
 EXAMPLE = os.path.join(hf_launch.EXAMPLES, "hf_trainer.py")
 DS_CONFIG = os.path.join(hf_launch.EXAMPLES, "ds_config_zero3.json")
 ROWS, MICRO, ACCUM, WORLD = 48, 2, 2, 2
+pytestmark = pytest.mark.world_size(WORLD)  # launched at WORLD ranks: ws2 in every test id (conftest.py)
 STEPS = ROWS // (MICRO * ACCUM * WORLD)
 
 # fp32 on CPU; the runs differ only in summation order (two half-batch gradients averaged by the

@@ -34,6 +34,7 @@ import torch
 from _harness import hf_launch
 
 ROWS, MICRO, ACCUM, WORLD = 48, 2, 2, 2
+pytestmark = pytest.mark.world_size(WORLD)  # launched at WORLD ranks: ws2 in every test id (conftest.py)
 STEPS = ROWS // (MICRO * ACCUM * WORLD)
 POISON_STEP = 4  # a training micro-step, counted from 0: the first of optimizer step 3
 SKIPPED = POISON_STEP // ACCUM  # that optimizer step's index, from 0

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from _harness import hf_launch
+
+WORLD = 2
+pytestmark = pytest.mark.world_size(WORLD)  # launched at WORLD ranks: ws2 in every test id (conftest.py)
 
 EXAMPLE_ARGS = ["--deepspeed", os.path.join(hf_launch.EXAMPLES, "ds_config_zero3.json"), "--bf16",
                 "--rows", "16", "--micro-batch", "2", "--accumulation", "1", "--max-steps", "2"]
@@ -25,8 +30,8 @@ BF16 = ["torch.bfloat16"] * 3
 def _probe_run(tmp_path, name, extra):
     hf_launch.torchrun(hf_launch.TRAINER_PROBE, ["--probe-out", str(tmp_path / name), "--", *EXAMPLE_ARGS, *extra,
                                                  "--output-dir", str(tmp_path / f"{name}_out"),
-                                                 "--out", str(tmp_path / f"{name}.json")], nproc=2)
-    probes = [hf_launch.read_json(f"{tmp_path / name}.rank{r}.json") for r in range(2)]
+                                                 "--out", str(tmp_path / f"{name}.json")], nproc=WORLD)
+    probes = [hf_launch.read_json(f"{tmp_path / name}.rank{r}.json") for r in range(WORLD)]
     return probes, hf_launch.read_json(tmp_path / f"{name}.json")
 
 

@@ -238,6 +238,7 @@ def test_zero3_reference_beside_trained_engine():
     run_distributed(_two_zero3_engines_body, world_size=WORLD)
 
 
+@pytest.mark.world_size(WORLD)  # its worker at WORLD ranks
 def test_dpo_trainer_zero3_reference_model(tmp_path):
     """TRL's DPOTrainer with a reference model, ZeRO-3, two gloo ranks under torchrun, 2 steps."""
     pytest.importorskip("trl")
@@ -253,6 +254,7 @@ def test_dpo_trainer_zero3_reference_model(tmp_path):
     assert steps[1]["rewards/margins"] != 0, steps
 
 
+@pytest.mark.world_size(WORLD)  # its worker at WORLD ranks
 def test_dpo_trainer_zero2_reference_model(tmp_path):
     """The same DPO run at ZeRO-2: TRL hands the reference model over at stage 0, which the frozen
     engine runs whole on every rank (before issue 41: "stage 0 is not supported")."""

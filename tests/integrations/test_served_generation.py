@@ -9,6 +9,7 @@ import pytest
 from _harness import hf_launch
 
 WORLD = 2
+pytestmark = pytest.mark.world_size(WORLD)  # launched at WORLD ranks: ws2 in every test id (conftest.py)
 
 
 def test_grpo_trainer_generates_under_zero3(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from _harness import hf_launch, paths
 
 WORLD = 2
+pytestmark = pytest.mark.world_size(WORLD)  # launched at WORLD ranks: ws2 in every test id (conftest.py)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

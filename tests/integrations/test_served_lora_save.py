@@ -30,6 +30,8 @@ import torch
 
 from _harness import hf_launch, lora_save_case as case
 
+pytestmark = pytest.mark.world_size(case.WORLD)  # launched at case.WORLD ranks: in every test id (conftest.py)
+
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_harness",
                       "hf_lora_save_worker.py")
 # LLaVA's scripts/zero2.json, in substance: ZeRO-2 with "auto" sizes.

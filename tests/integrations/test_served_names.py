@@ -317,5 +317,6 @@ def test_safe_full_accessors_import_and_refuse(outcomes):
     _check(outcomes, "_probe_safe_full_accessors_refuse")
 
 
+@pytest.mark.world_size(1)  # the served child is one gloo rank
 def test_comm_extras_on_one_gloo_rank(outcomes):
     _check(outcomes, "_probe_comm_extras")

@@ -35,6 +35,7 @@ def torchrun(script, *args: str, cwd: Path, nproc: int = 2, timeout: int = 600, 
     return output
 
 
+@pytest.mark.world_size(2)  # torchrun --nproc-per-node 2
 def test_train_llama_matches_single_process_training(tmp_path):
     out = torchrun("train_llama.py", "--steps", "2", "--backend", "eager", "--cpu", cwd=tmp_path)
     assert "2 ranks on cpu" in out
@@ -42,6 +43,7 @@ def test_train_llama_matches_single_process_training(tmp_path):
     assert "-> OK" in out
 
 
+@pytest.mark.world_size(2)  # torchrun --nproc-per-node 2
 def test_finetune_trains_checkpoints_resumes_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -66,11 +68,13 @@ def test_finetune_trains_checkpoints_resumes_and_exports(tmp_path):
     assert any(not torch.equal(before[k].to(after[k].dtype), after[k]) for k in before)
 
 
+@pytest.mark.world_size(2)  # torchrun --nproc-per-node 2
 def test_ops_demo(tmp_path):
     out = torchrun("ops_demo.py", cwd=tmp_path)
     assert out.count("matches torch.distributed") == 2
 
 
+@pytest.mark.world_size(1)  # torchrun --nproc-per-node 1
 def test_migration_guide_after_code_runs(tmp_path):
     """docs/migrating-from-deepspeed.md's "after" script, as printed, on one CPU process (eager
     backend to keep it fast): trains, evaluates, checkpoints and exports."""
