@@ -222,7 +222,7 @@ def dc_trainer(args, device, world, tokens):
 
     def step():
         out = engine(**local, use_cache=False)
-        loss = seq.loss(out.loss, local["shift_labels"])
+        loss = seq.loss(out.loss, local.get("shift_labels"))
         engine.backward(loss)
         engine.step()
         return loss
