@@ -13,7 +13,7 @@ Two namespaces:
   ``offload/activation_ops.py`` (:func:`register_activation_kernels`), which documents the ops.
 * ``dcloss`` (Python, defined here): the tiled loss (cross-entropy over a linear layer's output,
   computed a chunk of tokens at a time). Schemas, fake kernels and the autograd formula live here;
-  the kernels are handed in by ``memory/tiled_loss_kernels.py`` (:func:`register_tiled_loss_kernels`).
+  the kernels are handed in by ``passes/tiled_loss_kernels.py`` (:func:`register_tiled_loss_kernels`).
 * ``dcsp`` (Python, defined here): sequence parallelism's all-to-all. Schema, fake kernel and
   autograd formula live here; the CPU/CUDA kernel reaches the process group and is handed in by
   ``sequence_parallel/all_to_all.py`` (:func:`register_sequence_parallel_kernel`).
@@ -214,7 +214,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, g
     return ALL_TO_ALL(x, scatter_dim, gather_dim, ranks, group)
 
 
-# ---- dcloss: the tiled loss (kernels: memory/tiled_loss_kernels.py) ---------------------------
+# ---- dcloss: the tiled loss (kernels: passes/tiled_loss_kernels.py) ---------------------------
 
 _TILED_LOSS_LIB = torch.library.Library(TILED_LOSS_NAMESPACE, "DEF")
 # cross_entropy(hidden @ weight.T, labels) without the [tokens, vocab] logits: ``hidden`` is

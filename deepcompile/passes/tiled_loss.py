@@ -4,7 +4,7 @@ It runs on the graph Dynamo captured, before aot_autograd. It looks for
 ``cross_entropy(view(float(linear(hidden, weight))), labels)`` (transformers' causal-LM losses:
 the LM head's output upcast, flattened to ``[tokens, vocab]``) and replaces the cross-entropy
 with ``dcloss::linear_cross_entropy(hidden, weight, labels)``, which makes the logits a chunk of
-tokens at a time and never all at once (memory/tiled_loss_kernels.py). Only the unweighted loss
+tokens at a time and never all at once (passes/tiled_loss_kernels.py). Only the unweighted loss
 without label smoothing, reduced by "mean" or "sum", is replaced; anything else is left alone.
 
 The model still returns ``logits`` beside the loss. Computing them would undo the saving, so
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from deepcompile import ops
-import deepcompile.memory.tiled_loss_kernels  # noqa: F401  (registers the kernels)
+from deepcompile.passes import tiled_loss_kernels  # noqa: F401  (registers the kernels)
 
-_LINEAR = (F.linear, torch._C._nn.linear)
+_LINEAR = (F.linear,)  # torch._C._nn.linear itself: Dynamo records that object
 _CROSS_ENTROPY = (F.cross_entropy,)
 _CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 # Per-element steps between the LM head and the loss that keep one row per token.

@@ -39,7 +39,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import ops
 
-_SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_SDPA_TARGETS = (F.scaled_dot_product_attention,)  # torch._C._nn.scaled_dot_product_attention itself
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _HEADS, _SEQUENCE = 1, 2
 

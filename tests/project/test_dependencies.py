@@ -71,6 +71,9 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "zero": ("compat", "debug_checks", "ops", "precision", "runtime"),
     # Graph passes insert runtime ops and the activation-offload ops, nothing of the planners.
     "passes": ("compat", "ops", "runtime", "offload.activation_ops"),
+    # Ulysses sequence parallelism: its groups, the all-to-all's kernel (ops.py holds the op) and
+    # the attention pass over the captured graph, which the compiler runs without knowing it.
+    "sequence_parallel": ("ops",),
     # The scheduler decides plans from profiles; the backend applies them (compiler/replan.py).
     "scheduling": ("compat", "config", "memory", "ops", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
@@ -87,7 +90,7 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # The loop: composes everything above.
     "engine": ("checkpoint", "compat", "compiler", "config", "debug_checks", "faults", "logging_setup", "memory",
                "offload", "ops", "optim_builder", "parts", "passes", "precision", "profiling", "progress", "runtime",
-               "run_summary", "scheduling", "step_report", "zero"),
+               "run_summary", "scheduling", "sequence_parallel", "step_report", "zero"),
 }
 # Fronts over the engine (DeepSpeed's import paths, the command line): they may use any unit
 # above, never one another; ``python -m deepcompile`` runs the command line.
