@@ -59,6 +59,7 @@ def _check(result):
         torch.testing.assert_close(torch.tensor(result["params"][name]), value, **TOL, msg=name)
 
 
+@pytest.mark.world_size(2)
 def test_accelerate_alst_loop_zero2_matches_one_process(tmp_path):
     result = _launch(tmp_path, "accelerate", 2)
     # accelerate hands each rank half the loader's batches; the adapter makes it twice as long again
@@ -68,6 +69,7 @@ def test_accelerate_alst_loop_zero2_matches_one_process(tmp_path):
     assert result["eval_refusal"] and "whole sequences" in result["eval_refusal"], result["eval_refusal"]
 
 
+@pytest.mark.world_size(2)
 def test_trainer_alst_zero3_matches_one_process(tmp_path):
     result = _launch(tmp_path, "trainer", 3)
     assert result["global_steps"] == ulysses_case.ROWS // ulysses_case.MICRO_BATCH

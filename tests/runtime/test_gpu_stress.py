@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from _harness import multiproc
 from _harness.multiproc import run_distributed, single_world_size
-from _harness.parity_cases import RunResult, assert_parity, make_optimizer
+from _harness.parity_cases import RunResult, assert_parity, global_grad_norm, make_optimizer
 from test_zero3_parity import FP32_TOL, INDUCTOR_TOL
 
 WORLD = single_world_size()  # 2 (or DC_TEST_WORLD_SIZES), at most the GPU count
@@ -157,11 +157,14 @@ def train_engine(ctx, sizes: dict, config: dict, backend: str, steps: int):
     rows = sizes["batch"]
     lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
     losses: List[float] = []
+    norms: List[float] = []
     for step in range(steps):
         x, y = global_batch(step, sizes, ctx.world_size, ctx.device)
         loss = engine(x[lo:hi], y[lo:hi])
         engine.backward(loss)
-        engine.step()
+        norm = engine.step()
+        if norm is not None:  # an optimizer step: the global gradient norm before clipping
+            norms.append(norm.item())
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
@@ -169,7 +172,7 @@ def train_engine(ctx, sizes: dict, config: dict, backend: str, steps: int):
     state = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
     groups = prefetch_groups_ahead(engine) if config["zero_optimization"]["stage"] == 3 else None
     engine.destroy()
-    return RunResult(losses, state), groups
+    return RunResult(losses, state, norms), groups
 
 
 def prefetch_groups_ahead(engine) -> int:
@@ -188,16 +191,17 @@ def train_reference(sizes: dict, steps: int, world: int, device) -> RunResult:
     """Single process, plain torch, whole global batches, same initialization and data."""
     model = build_model(sizes, device)
     optimizer = make_optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         x, y = global_batch(step, sizes, world, device)
         loss = model(x, y)
         (loss / GAS).backward()
         losses.append(loss.item())
         if (step + 1) % GAS == 0:
+            norms.append(global_grad_norm(model.parameters()))
             optimizer.step()
             optimizer.zero_grad()
-    return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()})
+    return RunResult(losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}, norms)
 
 
 def assert_bitwise_equal(overlapped: RunResult, serialized: RunResult, what: str) -> None:
@@ -209,6 +213,8 @@ def assert_bitwise_equal(overlapped: RunResult, serialized: RunResult, what: str
             f"{what}: the overlapped run's loss differs from the serialized run's first at micro-step {first} "
             f"({overlapped.losses[first]!r} vs {serialized.losses[first]!r}): a stream race\n"
             f"overlapped: {overlapped.losses}\nserialized: {serialized.losses}")
+    assert overlapped.grad_norms == serialized.grad_norms, \
+        f"{what}: gradient norms differ\noverlapped: {overlapped.grad_norms}\nserialized: {serialized.grad_norms}"
     assert set(overlapped.params) == set(serialized.params), (sorted(overlapped.params), sorted(serialized.params))
     differing = []
     for key in sorted(overlapped.params):
