@@ -43,7 +43,9 @@ def check_size(size: int, world_size: int) -> None:
 # Groups already made, per default process group and size: a front end that makes them before the
 # engine (the served deepspeed.runtime.sequence_parallel.ulysses_sp, whose mpu the engine is then
 # given) and the engine share one set instead of creating the groups twice.
-_MADE: Dict[Tuple[int, int], "SequenceParallelGroups"] = {}
+# Each entry keeps the default group it was made under alive, so that a later default group (after
+# destroy_process_group and a new init) can never reuse its id and be handed stale groups.
+_MADE: Dict[Tuple[int, int], Tuple[dist.ProcessGroup, "SequenceParallelGroups"]] = {}
 
 
 def build_groups(size: int) -> SequenceParallelGroups:
@@ -51,9 +53,10 @@ def build_groups(size: int) -> SequenceParallelGroups:
     except that a size made before under the same default group returns the groups made then."""
     world, rank = dist.get_world_size(), dist.get_rank()
     check_size(size, world)
-    key = (id(dist.group.WORLD), size)
-    if key in _MADE:
-        return _MADE[key]
+    world_group = dist.group.WORLD
+    key = (id(world_group), size)
+    if key in _MADE and _MADE[key][0] is world_group:
+        return _MADE[key][1]
     first = rank // size * size
     mine: Optional[dist.ProcessGroup] = None
     if size > 1:
@@ -64,5 +67,5 @@ def build_groups(size: int) -> SequenceParallelGroups:
     made = SequenceParallelGroups(size=size, rank=rank - first, group=mine,
                                   group_ranks=list(range(first, first + size)),
                                   data_parallel_size=world // size, data_parallel_rank=rank // size)
-    _MADE[key] = made
+    _MADE[key] = (world_group, made)
     return made
