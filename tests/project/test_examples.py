@@ -104,6 +104,8 @@ def test_every_example_script_is_run_by_a_test():
     """A new example gets a test: here, or in a test file that names it."""
     scripts = {p.name for p in EXAMPLES.glob("*.py") if '__name__ == "__main__"' in p.read_text()}
     assert RUN_HERE <= scripts
-    other_tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != Path(__file__).name)
+    # test_documented_commands.py names every example in its registry without running any.
+    skip = {Path(__file__).name, "test_documented_commands.py"}
+    other_tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name not in skip)
     untested = sorted(name for name in scripts - RUN_HERE if name not in other_tests)
     assert not untested, f"examples that no test runs: {untested}"
