@@ -28,15 +28,50 @@ TESTS=(
   tests/integrations/test_served_ulysses.py
 )
 
-want="transformers==$TRANSFORMERS accelerate==$ACCELERATE"
-have=$(PYTHONPATH=$TARGET "$PY" -c "import transformers, accelerate; print(f'transformers=={transformers.__version__} accelerate=={accelerate.__version__}')" 2>/dev/null || true)
-if [ "$have" != "$want" ]; then
+# Whether the folder's releases are the ones wanted (compared as versions: 5.17 is 5.17.0).
+on_path() {
+  PYTHONPATH=$TARGET "$PY" - "$TRANSFORMERS" "$ACCELERATE" <<'PYEOF'
+import sys
+from packaging.version import Version
+import accelerate, transformers
+found = (transformers.__version__, accelerate.__version__)
+print(f"transformers=={found[0]} accelerate=={found[1]}")
+sys.exit(0 if all(Version(f) == Version(w) for f, w in zip(found, sys.argv[1:])) else 1)
+PYEOF
+}
+if ! on_path > /dev/null 2>&1; then
   rm -rf "$TARGET"
   "$PY" -m pip install -q --no-deps --target "$TARGET" "transformers==$TRANSFORMERS" "accelerate==$ACCELERATE"
+  # The requirements of those releases that the environment does not meet (e.g. transformers 5.17
+  # needs httpx, which later releases dropped) go into the same folder, with their own.
+  missing=$("$PY" - "$TARGET" <<'PYEOF'
+import importlib.metadata as md
+import sys
+from packaging.requirements import Requirement
+
+target = sys.argv[1]
+for name in ("transformers", "accelerate"):
+    dist = next(md.distributions(name=name, path=[target]))
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's requirement
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            have = None
+        if have is None or (req.specifier and not req.specifier.contains(have, prereleases=True)):
+            print(str(req))
+PYEOF
+)
+  if [ -n "$missing" ]; then
+    echo "oldest_hf_smoke: also installing into $TARGET: $(echo $missing)"
+    # shellcheck disable=SC2086  # one requirement per line
+    (IFS=$'\n'; "$PY" -m pip install -q --target "$TARGET" $missing)
+  fi
 fi
-seen=$(PYTHONPATH=$TARGET "$PY" -c "import transformers, accelerate; print(f'transformers=={transformers.__version__} accelerate=={accelerate.__version__}')")
-if [ "$seen" != "$want" ]; then
-  echo "oldest_hf_smoke: expected $want on the path, got $seen" >&2
+if ! seen=$(on_path); then
+  echo "oldest_hf_smoke: expected transformers==$TRANSFORMERS accelerate==$ACCELERATE on the path, got $seen" >&2
   exit 1
 fi
 echo "oldest_hf_smoke: $seen (installed: $("$PY" -c "import transformers, accelerate; print(transformers.__version__, accelerate.__version__)"))"
