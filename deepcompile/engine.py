@@ -105,6 +105,7 @@ class Engine:
         self.config = config
         # Ulysses sequence parallelism (sequence_parallel/): the ranks that share each sequence.
         self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size))
+        self.sequence_parallel.check_model(model)
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD

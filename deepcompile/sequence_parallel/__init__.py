@@ -60,6 +60,27 @@ class SequenceParallel:
         self.rewritten_calls += count
         return count
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a model whose attention the pass would change: the pass replaces the mask
+        transformers traces with plain causal attention over the whole sequence, which is wrong
+        for sliding-window attention (Mistral's default, Gemma's and Qwen2's sliding layers)."""
+        if not self.enabled:
+            return
+        for name, module in model.named_modules():
+            config = getattr(module, "config", None)
+            if config is None or not hasattr(config, "to_dict"):
+                continue
+            layer_types = getattr(config, "layer_types", None) or []
+            window = getattr(config, "sliding_window", None)
+            sliding = any("sliding" in str(t) for t in layer_types) or (
+                not layer_types and window and getattr(config, "use_sliding_window", True) is not False)
+            if sliding:
+                raise SequenceParallelError(
+                    f"sequence parallelism: {name or 'the model'} uses sliding-window attention (window {window}); "
+                    "the attention pass gives every token the whole causal prefix, so sliding windows are not "
+                    "supported yet. Use a model configuration without them")
+            return  # the outermost config speaks for the model
+
     def check_inputs(self, args: Any, kwargs: Mapping[str, Any]) -> None:
         """Refuse a forward whose inputs the pass would get wrong (attention.py): a padding
         ``attention_mask``, or ``position_ids`` other than this slice's global, consecutive ones

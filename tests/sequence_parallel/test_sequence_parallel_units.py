@@ -487,3 +487,22 @@ def test_global_token_mean_ignores_a_slice_without_labels(monkeypatch):
     assert total.item() == 2.0
     total.backward()
     assert loss.grad.item() == 0.0
+
+
+def test_sliding_window_models_are_refused_and_full_attention_ones_pass():
+    """The pass gives every token its whole causal prefix: a sliding window would be lost."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from deepcompile.sequence_parallel import SequenceParallel, SequenceParallelError, SequenceParallelGroups
+
+    on = SequenceParallel(SequenceParallelGroups(size=2, rank=0, group=None, group_ranks=[0, 1],
+                                                 data_parallel_size=1, data_parallel_rank=0))
+    try:
+        small = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2)
+        with pytest.raises(SequenceParallelError, match="sliding-window"):
+            on.check_model(MistralForCausalLM(MistralConfig(**small, sliding_window=4)))
+        on.check_model(MistralForCausalLM(MistralConfig(**small, sliding_window=None)))
+        on.check_model(LlamaForCausalLM(LlamaConfig(**small)))
+    finally:
+        on.close()
