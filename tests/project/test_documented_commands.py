@@ -13,8 +13,8 @@ and bench/*.py, and checks each against COVERAGE, which says how it is covered:
 * ``("gpu", why)``: needs GPUs (NCCL, the H200 benches, Slurm); not run on CPU.
 * ``("setup", why)``: installing or entering the tree, which CI itself does (.ci/run).
 
-OPEN lists CPU commands that no test runs yet, with what is missing; test_no_open_commands
-shows them as an expected failure until each gets a test and moves to COVERAGE.
+OPEN lists CPU commands that no test runs yet, with what is missing; test_no_open_commands fails
+while it holds any (it is empty: every CPU command has its test).
 
 What is extracted: the lines of fenced blocks marked bash/sh/shell (comments dropped), the
 ``$ `` lines of console blocks and of unmarked blocks holding any, and, in other unmarked blocks
@@ -164,7 +164,7 @@ COVERAGE = {
     "bash scripts/gpu_deepspeed.sh": ("gpu", "DeepSpeed peer rows on the GPU machine"),
     "DS_PRESET=8b DS_MICRO_BATCH=1 bash scripts/gpu_deepspeed.sh": ("gpu", "DeepSpeed peer rows on the GPU machine"),
     re.compile(r"bash bench/results/recipes/gpu_offload_7b\.sh \S+"): ("gpu", "7B offload recipe, one H200"),
-    re.compile(r"(torchrun --nproc-per-node [12] |python3 )bench/train_bench\.py (?!--preset tiny --warmup 1).*"):
+    re.compile(r"(torchrun --nproc-per-node [12] |python3 )bench/train_bench\.py (?!--preset tiny --warmup 3 --steps 2$).*"):
         ("gpu", _GPU_BENCH + " (--merge reads the GPU recipes' JSON)"),
     re.compile(r"torchrun --nproc-per-node [12] bench/(compile_time|offload_bench|comm_bench)\.py .*"):
         ("gpu", _GPU_BENCH),
@@ -193,16 +193,14 @@ COVERAGE = {
     re.compile(r"python3 bench/memory_peak\.py traces/.*"): ("gpu", "reads the allocator trace of a GPU run"),
     re.compile(r"python3 bench/pcie_bench\.py .*"): ("gpu", "host-device copy bandwidth"),
     re.compile(r"python3 bench/trainer_bench\.py --nproc 2 .*"): ("gpu", _GPU_BENCH + " (scripts/gpu_trainer_bench.sh)"),
+    "torchrun --nproc-per-node 2 bench/train_bench.py --preset tiny --warmup 3 --steps 2":
+        ("test", "tests/bench/test_train_bench_cpu_smoke.py::test_train_bench_cpu_smoke_runs_as_documented"),
     "torchrun --nproc-per-node 1 bench/model_state_bench.py --dir /tmp/state --tiny":
         ("test", "tests/bench/test_model_state_bench.py::test_model_state_bench_tiny_runs_every_phase"),
 }
 
 # CPU commands no test runs as given yet: command -> what is missing.
-OPEN = {
-    "torchrun --nproc-per-node 2 bench/train_bench.py --preset tiny --warmup 1 --steps 2":
-        "bench/README.md's CPU smoke run (2 ranks, every default method, ~30 s on 2 cores); tests run "
-        "train_bench.py only with --isolate at one rank (tests/bench/test_bench_tools.py)",
-}
+OPEN: dict = {}
 
 
 def _covers(key, command: str) -> bool:
@@ -312,6 +310,5 @@ def test_the_cpu_commands_run_as_written():
     assert not failed, "\n\n".join(f"{c}: exit {rc}\n{out}" for c, rc, out in failed)
 
 
-@pytest.mark.xfail(reason="documented CPU commands that no test runs yet (OPEN)", strict=True)
 def test_no_open_commands():
     assert not OPEN, "documented CPU commands no test runs:\n" + "\n".join(f"  {c}: {w}" for c, w in OPEN.items())
