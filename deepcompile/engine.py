@@ -177,6 +177,8 @@ class Engine:
         self.scheduler.report.contributors = list(self.parts) + [LinkReport(self.topology, self.stage),
                                                                  self._sizes_report()]
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
+        # compile.tiled_loss (passes/tiled_loss.py), or None.
+        self.tiled_loss = TiledLoss(config.compile.tiled_loss_chunk_tokens) if config.compile.tiled_loss else None
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
                                               captured_graph_passes=self._captured_graph_passes())
@@ -195,8 +197,6 @@ class Engine:
         """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
         (sequence_parallel/), then compile.tiled_loss (passes/tiled_loss.py)."""
         passes = [self.sequence_parallel.rewrite] if self.sequence_parallel.enabled else []
-        self.tiled_loss = TiledLoss(self.config.compile.tiled_loss_chunk_tokens) if self.config.compile.tiled_loss \
-            else None
         if self.tiled_loss is not None:
             passes.append(self.tiled_loss.rewrite)
         return passes

@@ -175,13 +175,18 @@ _SEQUENCE_PARALLEL_LIB.define(
     "all_to_all(Tensor x, int scatter_dim, int gather_dim, int ranks, int group) -> Tensor")
 
 
+def all_to_all_shape(shape: Sequence[int], scatter_dim: int, gather_dim: int, ranks: int) -> List[int]:
+    """The shape ``dcsp::all_to_all`` returns for an input of ``shape``."""
+    if shape[scatter_dim] % ranks:
+        raise ValueError(f"all_to_all: dimension {scatter_dim} of {tuple(shape)} does not split into {ranks}")
+    out = list(shape)
+    out[scatter_dim] //= ranks
+    out[gather_dim] *= ranks
+    return out
+
+
 def _fake_all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, group: int) -> torch.Tensor:
-    if x.shape[scatter_dim] % ranks:
-        raise ValueError(f"all_to_all: dimension {scatter_dim} of {tuple(x.shape)} does not split into {ranks}")
-    shape = list(x.shape)
-    shape[scatter_dim] //= ranks
-    shape[gather_dim] *= ranks
-    return x.new_empty(shape)
+    return x.new_empty(all_to_all_shape(x.shape, scatter_dim, gather_dim, ranks))
 
 
 _SEQUENCE_PARALLEL_LIB.impl("all_to_all", _fake_all_to_all, "Meta")

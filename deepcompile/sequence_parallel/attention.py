@@ -94,10 +94,7 @@ def _insert_all_to_all(graph: torch.fx.Graph, value: Node, scatter: int, gather:
     node = graph.call_function(ops.ALL_TO_ALL, (value, scatter, gather, ranks, group_key))
     example = value.meta.get("example_value")
     if isinstance(example, torch.Tensor):
-        shape = list(example.shape)
-        shape[scatter] //= ranks
-        shape[gather] *= ranks
-        node.meta["example_value"] = example.new_empty(shape)
+        node.meta["example_value"] = example.new_empty(ops.all_to_all_shape(example.shape, scatter, gather, ranks))
     return node
 
 
@@ -157,10 +154,8 @@ def _split_in(gm: GraphModule, ranks: int, group_key: int) -> int:
         node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         example = node.meta.get("example_value")
         if isinstance(example, torch.Tensor):  # the call now sees H / P heads over S tokens
-            shape = list(example.shape)
-            shape[_HEADS] //= ranks
-            shape[_SEQUENCE] *= ranks
-            node.meta["example_value"] = example.new_empty(shape)
+            node.meta["example_value"] = example.new_empty(ops.all_to_all_shape(example.shape, _HEADS, _SEQUENCE,
+                                                                                ranks))
     if calls:
         graph.lint()
         gm.recompile()

@@ -62,10 +62,10 @@ def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, pad_token_
         out["shift_labels"] = shift_labels(out.pop("labels"))
     out.pop("labels", None)
     fills = {"input_ids": pad_token_id, "inputs_embeds": 0, "shift_labels": IGNORE_INDEX}
-    if "position_ids" in out:  # padding continues the positions (never attended to by real tokens)
-        positions = out["position_ids"]
-        extra = positions[:, -1:] + torch.arange(1, padded - length + 1, device=positions.device, dtype=positions.dtype)
-        out["position_ids"] = torch.cat([positions, extra], dim=1)
+    # Padding continues the positions (never attended to by real tokens).
+    positions = out["position_ids"]
+    extra = positions[:, -1:] + torch.arange(1, padded - length + 1, device=positions.device, dtype=positions.dtype)
+    out["position_ids"] = torch.cat([positions, extra], dim=1)
     per_rank = padded // sp_size
     lo, hi = sp_rank * per_rank, (sp_rank + 1) * per_rank
     for key in _PER_TOKEN:
