@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -89,6 +90,10 @@ class FaultWatchdog:
         self._abort_lock = threading.Lock()
         self._aborting = False
         self._wake = threading.Event()
+        self._urgent = threading.Event()  # look at the peers at the next turn, not only every interval
+        # Looks at the peers begun and completed: a caller waits for one that began after its request.
+        self._looks_begun = self._looks_done = 0
+        self._previous_sigterm, self._sigterm_installed = signal.SIG_DFL, False
         self._stopped = threading.Event()
         self._last_contact = time.monotonic()
         self._last_look = 0.0
@@ -103,6 +108,7 @@ class FaultWatchdog:
         self._publish()
         for t in self._threads:
             t.start()
+        self._install_sigterm_handler()
         return self
 
     def enter(self, phase: str, step: int) -> None:
@@ -130,6 +136,7 @@ class FaultWatchdog:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=limit)
         join_store_calls(limit)
+        self._restore_sigterm_handler()
 
     @property
     def running(self) -> bool:
@@ -147,6 +154,7 @@ class FaultWatchdog:
         if symptom:
             self._say(f"rank {self.rank} got a communication error during {self._doing()} ({first_line(error, 200)}); "
                       f"waiting up to {self.timeout_s:g} s for the fault watchdog to find which rank failed")
+            self.look_now()  # a killed peer's process is usually gone already: name it now, not an interval later
             deadline = time.monotonic() + self.timeout_s + 2 * self.interval
             while time.monotonic() < deadline and self.running:
                 time.sleep(min(0.1, self.interval))
@@ -155,6 +163,72 @@ class FaultWatchdog:
         self._state, self._error = FAILED, first_line(error)
         # Where the store is gone, peers see the process end instead.
         _bounded(lambda: (self._publish(), self._raise_alarm(self._failure_cause())), self.interval + 1.0)
+
+    def look_now(self) -> int:
+        """Ask the monitor thread for a look at the peers at once; returns how many looks had
+        begun, which :meth:`wait_for_look` takes."""
+        begun = self._looks_begun
+        self._urgent.set()
+        self._wake.set()
+        return begun
+
+    def wait_for_look(self, begun: int, limit_s: float) -> bool:
+        """Wait up to ``limit_s`` seconds for a look at the peers that began after ``begun`` looks
+        had (it ends the process itself when it finds the failed rank); whether one completed."""
+        deadline = time.monotonic() + limit_s
+        while self._looks_done <= begun and time.monotonic() < deadline and self.running:
+            time.sleep(0.02)
+        return self._looks_done > begun
+
+    def _install_sigterm_handler(self) -> None:
+        """Name the failed rank before a launcher ends this process. torchrun's agent sends SIGTERM
+        to every surviving worker a few milliseconds after it sees one fail (SIGKILL follows 30 s
+        later) and restarts the job; Python's default SIGTERM dies at once, before any rank is
+        named. The handler first gives the watchdog one fresh look at the peers (bounded: a store
+        call and a heartbeat), which names the dead rank and exits as usual, and otherwise leaves
+        as the previous handler would. Installed only over the default handler (a program's own
+        handler is left alone) and only from the main thread (Python's rule). A main thread inside
+        native code runs it when the call returns; until then the monitor thread, which looks at
+        the peers every heartbeat anyway, names a dead rank and exits by itself."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+                return
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+        except (ValueError, OSError):  # not the main interpreter
+            pass
+
+    def _restore_sigterm_handler(self) -> None:
+        if not self._sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+        except (ValueError, OSError):
+            pass
+        self._sigterm_installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.running and not self._aborting:
+            self.wait_for_look(self.look_now(), store_call_limit(self.timeout_s) + self.interval)
+        if self._aborting:
+            # The monitor named the failed rank and is on its way out (it stays an interval for
+            # the peers to read the alarm): let it finish.
+            self._stopped.wait(self.interval + 2.0)
+            time.sleep(0.5)
+            self._exit_process(PEER_FAILED_EXIT_CODE)
+            return
+        if self.running:
+            self._say(f"rank {self.rank} (in {self._doing()}) was sent SIGTERM (its launcher ending the job); its fault "
+                      "watchdog found no failed rank")
+        previous = self._previous_sigterm
+        self._restore_sigterm_handler()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def linger(self) -> None:
         """Stay a moment after publishing a failure, so that peers read it before this process,
@@ -173,8 +247,13 @@ class FaultWatchdog:
             try:
                 self._publish()
                 cause = None
-                if time.monotonic() - self._last_look >= self.interval * 0.5:
-                    cause = self._look()
+                if self._urgent.is_set() or time.monotonic() - self._last_look >= self.interval * 0.5:
+                    self._urgent.clear()
+                    self._looks_begun += 1
+                    try:
+                        cause = self._look()
+                    finally:
+                        self._looks_done += 1
                     self._last_look = time.monotonic()
                 self._last_contact = time.monotonic()
                 self._store_failing_since = None

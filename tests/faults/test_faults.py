@@ -115,6 +115,46 @@ def test_a_finished_rank_raises_no_alarm_and_a_failure_is_reported_from_the_alar
     watchdog.stop()
 
 
+def test_look_now_names_a_killed_peer_without_waiting_for_the_interval():
+    """A rank whose collective failed asks for a look at once (``on_uncaught``): the dead peer
+    is named in far less than the heartbeat interval (3 s at a 30 s timeout)."""
+    from deepcompile.faults.status import machine_id
+
+    store, exits, err = dist.HashStore(), [], io.StringIO()
+    watchdog = _watchdog(store, 0, 30.0, exits, err).start()
+    watchdog.enter("backward", 3)
+    assert watchdog.wait_for_look(watchdog.look_now(), 5.0)  # rank 1 has published nothing yet: all well
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    store.set("deepcompile/faults/unit/1", _status(pid=ended.pid, machine=machine_id()).encode())
+    started = time.monotonic()
+    assert watchdog.wait_for_look(watchdog.look_now(), 2.0)
+    assert time.monotonic() - started < 1.5
+    assert f"rank 1 died during backward of step 3: its process (pid {ended.pid}) is gone" in err.getvalue()
+    assert _wait_for(lambda: exits, 10.0) and exits[0] == EXIT
+    watchdog.stop()
+
+
+@pytest.mark.parametrize("kind,where", [("dead", "waiting"), ("dead", "busy"), ("alive", "busy")])
+def test_a_survivor_sent_sigterm_names_the_dead_rank_first(kind, where):
+    """torchrun's agent sends SIGTERM to the survivors milliseconds after it sees a worker die,
+    before or while they wait for the watchdog to name it (issue 39 item 7). The watchdog's
+    SIGTERM handler gives it one fresh look first: the dead rank is named and the process exits
+    with 75; with nobody to name, it says so and dies of SIGTERM as it would without it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_harness" / "sigterm_survivor.py"), kind, where],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    if kind == "dead":
+        assert proc.returncode == EXIT, out
+        assert "deepcompile: rank 1 died during backward of step 3: its process (pid" in out, out
+        assert "Rank 0 (in backward of step 3) exits with code 75" in out, out
+    else:
+        assert proc.returncode == -signal.SIGTERM, out
+        assert "rank 0 (in backward of step 3) was sent SIGTERM (its launcher ending the job); its fault watchdog " \
+               "found no failed rank" in out, out
+    assert "the wait ended without an exit" not in out, out
+
+
 class _SlowStore:
     """A store whose writes take ``delay_s`` once ``slow`` is set: a watchdog thread is then
     inside a store call when the rank stops."""
@@ -501,6 +541,8 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_as_an_uninterrup
         assert proc.returncode == 0, f"{name}:\n{outputs[name][-8000:]}"
     out = outputs["killed"]
     assert "killing this process" in out and "at backward:3" in out, out[-8000:]
+    # The survivor names the dead rank before torchrun's agent ends it (issue 39 item 7).
+    assert "deepcompile: rank 1 died during backward of step 3" in out, out[-8000:]
     assert "elastic_restart: attempt 1, 2 ranks on cpu, resumed from" in out and "global_step2 at step 2" in out, \
         out[-8000:]
     want, got = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "killed.pt")
