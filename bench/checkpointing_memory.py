@@ -52,6 +52,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
+import run_deepcompile  # noqa: E402  (the deepcompile rows' runner, whose model builds are watched)
 import train_bench as tb  # noqa: E402  (puts the repository root first on sys.path, sets up deepcompile)
 
 GIB = 1024**3
@@ -188,10 +189,10 @@ def eager_activations(ctx: tb.Context) -> EagerActivations:
 
 @contextlib.contextmanager
 def building_models(checkpoint_kwargs: Optional[dict], built: List[torch.nn.Module]):
-    """train_bench builds its models with ``build_model``; while this is active every model it
-    builds is appended to ``built`` and, with ``checkpoint_kwargs``, has every decoder layer
-    checkpointed by transformers' switch (those are its checkpoint kwargs)."""
-    original = tb.build_model
+    """train_bench's deepcompile rows build their models with ``run_deepcompile.build_model``; while
+    this is active every model they build is appended to ``built`` and, with ``checkpoint_kwargs``,
+    has every decoder layer checkpointed by transformers' switch (those are its checkpoint kwargs)."""
+    original = run_deepcompile.build_model
 
     def build(ctx, dtype):
         model = original(ctx, dtype)
@@ -203,11 +204,11 @@ def building_models(checkpoint_kwargs: Optional[dict], built: List[torch.nn.Modu
         built.append(model)
         return model
 
-    tb.build_model = build
+    run_deepcompile.build_model = build
     try:
         yield
     finally:
-        tb.build_model = original
+        run_deepcompile.build_model = original
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,10 +41,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from train_core import Runner, Unavailable, build_model, make_optimizer, model_config
 
 # DeepSpeed DeepCompile's default ZeRO-3 schedule re-plans at step 5 (deepspeed/compile/init_z3.py's
 # WARMUP): steps 0-5 compile, step 6 is the first that only runs. One more for a settled step.
@@ -127,42 +128,29 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, key
                      "(its schedule re-plans at step 5)")
 
 
-def _bench(ctx):
-    """The train_bench module that made ``ctx``: run as a script it is ``__main__``, and a second
-    ``import train_bench`` would be another module whose ``Unavailable`` its ``measure`` does not catch."""
-    module = sys.modules.get(type(ctx).__module__)
-    if module is None or not hasattr(module, "Unavailable"):
-        import train_bench as module
-    return module
-
-
 def _import_deepspeed(ctx):
-    tb = _bench(ctx)
-
     # DeepSpeed picks its accelerator at import: on a CPU run make it the CPU one (gloo without oneCCL).
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.is_cuda else "cpu")
     try:
         import deepspeed
     except ImportError as e:
-        raise tb.Unavailable(f"DeepSpeed not installed ({e}); scripts/fetch_deepspeed_wheels.sh here, "
-                             "scripts/gpu_deepspeed.sh on the GPU machine") from e
+        raise Unavailable(f"DeepSpeed not installed ({e}); scripts/fetch_deepspeed_wheels.sh here, "
+                          "scripts/gpu_deepspeed.sh on the GPU machine") from e
     return deepspeed
 
 
 def runner(ctx, key: str):
     """train_bench's ``Runner`` of DeepSpeed row ``key``."""
-    tb = _bench(ctx)
-
     variant = VARIANTS[key]
     deepspeed = _import_deepspeed(ctx)
     if variant.deepcompile:
         from deepspeed.compile.util import is_deepcompile_supported
 
         if not is_deepcompile_supported():  # before building its op library, minutes of C++ for nothing
-            raise tb.Unavailable("DeepSpeed runs DeepCompile on CUDA only (its is_deepcompile_supported() is "
-                                 f"False with accelerator {deepspeed.get_accelerator().device_name()}); on this "
-                                 "device it would fall back to plain torch.compile")
-    reference = tb.make_optimizer(ctx, [torch.nn.Parameter(torch.zeros(1))])  # only its hyper-parameters
+            raise Unavailable("DeepSpeed runs DeepCompile on CUDA only (its is_deepcompile_supported() is "
+                              f"False with accelerator {deepspeed.get_accelerator().device_name()}); on this "
+                              "device it would fall back to plain torch.compile")
+    reference = make_optimizer(ctx, [torch.nn.Parameter(torch.zeros(1))])  # only its hyper-parameters
     config = deepspeed_config(ctx.args, key, adamw_params(reference.defaults), pin_memory=ctx.is_cuda)
     if ctx.args.init == "meta":
         # DeepSpeed's own large-model construction, partitioned as built. transformers' init then runs on
@@ -171,11 +159,11 @@ def runner(ctx, key: str):
         with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
             from transformers import LlamaForCausalLM
 
-            model = LlamaForCausalLM(tb.model_config(ctx.args))
+            model = LlamaForCausalLM(model_config(ctx.args))
         model.train()
     else:
-        model = tb.build_model(ctx, torch.bfloat16)  # as deepcompile's rows: bf16 on the device, same seed
-    client = None if "optimizer" in variant.zero_offload else tb.make_optimizer(ctx, model.parameters())
+        model = build_model(ctx, torch.bfloat16)  # as deepcompile's rows: bf16 on the device, same seed
+    client = None if "optimizer" in variant.zero_offload else make_optimizer(ctx, model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config, dist_init_required=False,
                                       model_parameters=model.parameters() if client is None else None)
     last_replan = 0
@@ -212,4 +200,4 @@ def runner(ctx, key: str):
             notes.append(f"last re-plan at step {last_replan}")
         return "; ".join(notes)
 
-    return tb.Runner(step, close=engine.destroy, note=note, scheduled=lambda: state["scheduled"])
+    return Runner(step, close=engine.destroy, note=note, scheduled=lambda: state["scheduled"])

@@ -118,9 +118,10 @@ def child_command(argv: Sequence[str], key: str, nproc: int, out: str) -> List[s
 
 
 def run_row(argv: Sequence[str], key: str, nproc: int, timeout: Optional[float], name: Optional[str] = None):
-    """One row in its own process: (train_bench.Row, the child's header or None). ``name``: the
+    """One row in its own process: (train_report.Row, the child's header or None). ``name``: the
     row's label should the process give no row (default: the method's)."""
-    import train_bench as tb
+    from train_report import Row  # here: long_sequence_bench and trainer_bench use this module without torch
+    from train_rows import METHODS
 
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     with tempfile.TemporaryDirectory(prefix="train_bench_row_") as tmp:
@@ -129,9 +130,9 @@ def run_row(argv: Sequence[str], key: str, nproc: int, timeout: Optional[float],
         if code is not None and os.path.exists(out):
             with open(out, encoding="utf-8") as f:
                 data = json.load(f)
-            return tb.Row(**data["rows"][0]), data["env"]
+            return Row(**data["rows"][0]), data["env"]
     status, note = failure(code, tail, timeout)
-    return tb.Row(name or tb.METHODS[key].name, status=status, note=note), None
+    return Row(name or METHODS[key].name, status=status, note=note), None
 
 
 def measure_pcie(args) -> Optional[Dict[str, float]]:
@@ -151,10 +152,11 @@ def measure_pcie(args) -> Optional[Dict[str, float]]:
 
 
 def run_isolated(args, argv: List[str]) -> int:
-    """train_bench.main for ``--isolate``: PCIe first, then each row in its own process, one table."""
+    """train_bench's main for ``--isolate``: PCIe first, then each row in its own process, one table."""
     import shlex
 
-    import train_bench as tb
+    from train_report import describe_pcie, finish, write_json
+    from train_rows import method_of
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("--isolate starts its own torchrun per row (--nproc ranks): run it with python3, "
@@ -169,11 +171,11 @@ def run_isolated(args, argv: List[str]) -> int:
         env["isolation"] = (f"one torchrun process per row, {args.nproc} rank(s)"
                             + (f", {args.row_timeout:.0f} s each at most" if args.row_timeout else ""))
         if pcie is not None:
-            env["PCIe"] = tb.describe_pcie(pcie)
+            env["PCIe"] = describe_pcie(pcie)
         return env
 
     for key in args.methods:
-        method = tb.method_of(key, args)  # a deepcompile row's layout is in its label (bench/layouts.py)
+        method = method_of(key, args)  # a deepcompile row's layout is in its label (bench/layouts.py)
         print(f"== {method.name} (own process)", flush=True)
         row, env = run_row(argv, key, args.nproc, args.row_timeout, name=method.name)
         row.layout = row.layout or method.layout
@@ -181,8 +183,8 @@ def run_isolated(args, argv: List[str]) -> int:
         rows.append(row)
         print(f"  -> {row.status}" + (f": {row.note}" if row.note else ""), flush=True)
         if args.json:  # after every row: a run stopped from outside keeps the rows it has
-            tb.write_json(args.json, header(), rows, pcie)
+            write_json(args.json, header(), rows, pcie)
     env = header()
     print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
-    tb.finish(args, env, rows, pcie)
+    finish(args, env, rows, pcie)
     return 0

@@ -188,7 +188,9 @@ def test_a_row_keeps_the_bytes_of_its_last_measured_step(monkeypatch):
     here counts 1000 bytes more than the one before: 2 warm-up + 2 measured steps give 4000)."""
     import argparse
 
-    monkeypatch.setattr(tb, "teardown", lambda ctx: None)  # no process group here
+    import train_measure
+
+    monkeypatch.setattr(train_measure, "teardown", lambda ctx: None)  # no process group here (measure's own)
     steps = []
 
     def build(ctx):
