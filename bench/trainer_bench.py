@@ -128,13 +128,12 @@ def _ds_config(args: argparse.Namespace, extra_compile: Dict[str, Any], engine: 
 
 
 def _model(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, use_cache=False,
-                         attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(config)
+    sys.path.insert(0, HERE)
+    from train_core import model_config  # train_bench's Llama of the same shapes (sdpa, no KV cache)
+
+    return AutoModelForCausalLM.from_config(model_config(args))
 
 
 class _Rows:
