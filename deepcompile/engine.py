@@ -26,6 +26,7 @@ from deepcompile.faults import stop_watching, watch_ranks
 from deepcompile.memory.budget import memory_budget
 from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.passes.tiled_loss import TiledLoss
+from deepcompile.passes.tiled_mlp import TiledMLP
 from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
@@ -179,6 +180,8 @@ class Engine:
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
         # compile.tiled_loss (passes/tiled_loss.py), or None.
         self.tiled_loss = TiledLoss(config.compile.tiled_loss_chunk_tokens) if config.compile.tiled_loss else None
+        # compile.tiled_mlp (passes/tiled_mlp.py), or None.
+        self.tiled_mlp = TiledMLP(config.compile.tiled_mlp_chunk_tokens) if config.compile.tiled_mlp else None
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
                                               captured_graph_passes=self._captured_graph_passes())
@@ -195,10 +198,12 @@ class Engine:
 
     def _captured_graph_passes(self) -> List[Any]:
         """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
-        (sequence_parallel/), then compile.tiled_loss (passes/tiled_loss.py)."""
+        (sequence_parallel/), then compile.tiled_loss (passes/tiled_loss.py) and compile.tiled_mlp
+        (passes/tiled_mlp.py)."""
         passes = [self.sequence_parallel.rewrite] if self.sequence_parallel.enabled else []
-        if self.tiled_loss is not None:
-            passes.append(self.tiled_loss.rewrite)
+        for tiled in (self.tiled_loss, self.tiled_mlp):
+            if tiled is not None:
+                passes.append(tiled.rewrite)
         return passes
 
     def _sizes_report(self) -> SizesReport:
@@ -240,10 +245,8 @@ class Engine:
         for hook in self._at["before_forward"]:
             hook(moment, args, kwargs)
         module = self._compiled if self._compiled is not None else self.module
-        if self._compiled is None and (self.sequence_parallel.enabled or self.tiled_loss is not None):
-            what = "sequence_parallel_size > 1" if self.sequence_parallel.enabled else "compile.tiled_loss"
-            raise RuntimeError(f"deepcompile: {what} needs a compiled engine (call engine.compile() first): it is a "
-                               "pass over the compiled graph, which an uncompiled forward would run without")
+        if self._compiled is None:
+            self._refuse_graph_options_uncompiled()
         self.sequence_parallel.check_inputs(args, kwargs)
         self._watch("forward")
         self._enter(moment, "forward")
@@ -266,7 +269,22 @@ class Engine:
                 "cross_entropy over a linear layer's output (a causal LM's loss from its LM head, as transformers "
                 "computes it when labels are given) for the pass to tile; pass labels to the model, or turn "
                 "compile.tiled_loss off")
+        if self.tiled_mlp is not None and self.tiled_mlp.replaced == 0:
+            raise RuntimeError(
+                "deepcompile: compile.tiled_mlp is on, but the compiled forward computed no gated MLP "
+                "(linear(act(linear(x, gate)) * linear(x, up), down) without biases, act SiLU or GELU, as Llama, "
+                "Qwen2, Mistral and Gemma compute it) for the pass to tile; turn compile.tiled_mlp off for this model")
         return out
+
+    def _refuse_graph_options_uncompiled(self) -> None:
+        """Options that are passes over the compiled graph cannot hold in an uncompiled forward."""
+        on = [name for name, enabled in (("sequence_parallel_size > 1", self.sequence_parallel.enabled),
+                                         ("compile.tiled_loss", self.tiled_loss is not None),
+                                         ("compile.tiled_mlp", self.tiled_mlp is not None)) if enabled]
+        if on:
+            raise RuntimeError(f"deepcompile: {' and '.join(on)} needs a compiled engine (call engine.compile() "
+                               "first): it is a pass over the compiled graph, which an uncompiled forward would run "
+                               "without")
 
     def backward(self, loss: torch.Tensor, *, tokens: Union[int, torch.Tensor, None] = None,
                  scale_wrt_gas: bool = True) -> None:

@@ -14,6 +14,9 @@ Two namespaces:
 * ``dcloss`` (Python, defined here): the tiled loss (cross-entropy over a linear layer's output,
   computed a chunk of tokens at a time). Schemas, fake kernels and the autograd formula live here;
   the kernels are handed in by ``passes/tiled_loss_kernels.py`` (:func:`register_tiled_loss_kernels`).
+* ``dcmlp`` (Python, defined here): the tiled MLP (a gated MLP computed a chunk of tokens at a
+  time). Schemas, fake kernels and the autograd formula live here; the kernels are handed in by
+  ``passes/tiled_mlp_kernels.py`` (:func:`register_tiled_mlp_kernels`).
 * ``dcsp`` (Python, defined here): sequence parallelism's all-to-all. Schema, fake kernel and
   autograd formula live here; the CPU/CUDA kernel reaches the process group and is handed in by
   ``sequence_parallel/all_to_all.py`` (:func:`register_sequence_parallel_kernel`).
@@ -37,7 +40,9 @@ RUNTIME_NAMESPACE = "dc"
 ACTIVATION_NAMESPACE = "dcact"
 SEQUENCE_PARALLEL_NAMESPACE = "dcsp"
 TILED_LOSS_NAMESPACE = "dcloss"
-NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE, SEQUENCE_PARALLEL_NAMESPACE, TILED_LOSS_NAMESPACE)
+TILED_MLP_NAMESPACE = "dcmlp"
+NAMESPACES = (RUNTIME_NAMESPACE, ACTIVATION_NAMESPACE, SEQUENCE_PARALLEL_NAMESPACE, TILED_LOSS_NAMESPACE,
+              TILED_MLP_NAMESPACE)
 
 _dc = getattr(torch.ops, RUNTIME_NAMESPACE)
 
@@ -285,6 +290,69 @@ def linear_cross_entropy_backward(grad: torch.Tensor, hidden: torch.Tensor, weig
     return LINEAR_CROSS_ENTROPY_BACKWARD(grad, hidden, weight, labels, ignore_index, reduction, chunk)
 
 
+# ---- dcmlp: the tiled MLP (kernels: passes/tiled_mlp_kernels.py) ------------------------------
+
+_TILED_MLP_LIB = torch.library.Library(TILED_MLP_NAMESPACE, "DEF")
+# down(act(gate(x)) * up(x)) without its [tokens, intermediate] activations: ``x`` is [..., features],
+# ``gate`` and ``up`` [intermediate, features], ``down`` [out, intermediate] (nn.Linear weights, no
+# biases); ``activation`` a name of passes/tiled_mlp_kernels.ACTIVATIONS; ``chunk`` tokens at a time.
+_TILED_MLP_LIB.define("gated_mlp(Tensor x, Tensor gate, Tensor up, Tensor down, str activation, int chunk) -> Tensor")
+_TILED_MLP_LIB.define("gated_mlp_backward(Tensor grad, Tensor x, Tensor gate, Tensor up, Tensor down, "
+                      "str activation, int chunk) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fake_gated_mlp(x, gate, up, down, activation, chunk):
+    return x.new_empty((*x.shape[:-1], down.shape[0]))
+
+
+def _fake_gated_mlp_backward(grad, x, gate, up, down, activation, chunk):
+    return torch.empty_like(x), torch.empty_like(gate), torch.empty_like(up), torch.empty_like(down)
+
+
+_TILED_MLP_LIB.impl("gated_mlp", _fake_gated_mlp, "Meta")
+_TILED_MLP_LIB.impl("gated_mlp_backward", _fake_gated_mlp_backward, "Meta")
+_dcmlp = getattr(torch.ops, TILED_MLP_NAMESPACE)
+GATED_MLP = _dcmlp.gated_mlp.default
+GATED_MLP_BACKWARD = _dcmlp.gated_mlp_backward.default
+
+
+def _gated_mlp_setup(ctx: Any, inputs: Tuple[Any, ...], output: torch.Tensor) -> None:
+    x, gate, up, down, ctx.activation, ctx.chunk = inputs
+    ctx.save_for_backward(x, gate, up, down)
+
+
+def _gated_mlp_grad(ctx: Any, grad: torch.Tensor):
+    # Only the input and the weights are saved: the backward recomputes the intermediates a chunk
+    # at a time.
+    x, gate, up, down = ctx.saved_tensors
+    grads = GATED_MLP_BACKWARD(grad.contiguous(), x, gate, up, down, ctx.activation, ctx.chunk)
+    return (*grads, None, None)
+
+
+torch.library.register_autograd(f"{TILED_MLP_NAMESPACE}::gated_mlp", _gated_mlp_grad, setup_context=_gated_mlp_setup,
+                                lib=_TILED_MLP_LIB)
+
+
+def register_tiled_mlp_kernels(forward: Callable, backward: Callable) -> None:
+    """The CPU and CUDA kernels of the two ``dcmlp`` ops."""
+    for dispatch_key in ("CPU", "CUDA"):
+        _TILED_MLP_LIB.impl("gated_mlp", forward, dispatch_key)
+        _TILED_MLP_LIB.impl("gated_mlp_backward", backward, dispatch_key)
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str,
+              chunk: int) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)``, ``chunk`` tokens at a time (differentiable)."""
+    return GATED_MLP(x, gate, up, down, activation, chunk)
+
+
+def gated_mlp_backward(grad: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                       down: torch.Tensor, activation: str,
+                       chunk: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`gated_mlp` for ``x``, ``gate``, ``up`` and ``down``."""
+    return GATED_MLP_BACKWARD(grad, x, gate, up, down, activation, chunk)
+
+
 # ---- the registry ------------------------------------------------------------------------------
 
 
@@ -336,6 +404,9 @@ REGISTRY: Tuple[OpEntry, ...] = (
             {"default": LINEAR_CROSS_ENTROPY}, "deepcompile/ops.py, _fake_linear_cross_entropy"),
     OpEntry(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy_backward", linear_cross_entropy_backward,
             {"default": LINEAR_CROSS_ENTROPY_BACKWARD}, "deepcompile/ops.py, _fake_linear_cross_entropy_backward"),
+    OpEntry(f"{TILED_MLP_NAMESPACE}::gated_mlp", gated_mlp, {"default": GATED_MLP}, "deepcompile/ops.py, _fake_gated_mlp"),
+    OpEntry(f"{TILED_MLP_NAMESPACE}::gated_mlp_backward", gated_mlp_backward, {"default": GATED_MLP_BACKWARD},
+            "deepcompile/ops.py, _fake_gated_mlp_backward"),
 )
 
 # Graphs call these for their effect alone (their results, if any, unused): dead-code removal must

@@ -70,6 +70,14 @@ class CompileConfig(Section):
         "of their shape (no memory). Needs a compiled engine; a forward that computed no such loss raises.")
     tiled_loss_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_loss; 0: as many as fit "
                                        "256 MiB of fp32 logits (about 2100 tokens at a 32k vocabulary, 520 at 128k).")
+    tiled_mlp: bool = key(
+        boolean, False, "Compute each gated MLP (Llama's, Qwen2's, Mistral's, Gemma's down(act(gate(x)) * up(x))) a "
+        "chunk of tokens at a time and recompute it in the backward, so its [tokens, intermediate] activations are "
+        "never saved (passes/tiled_mlp.py; ALST's tiled MLP): for long sequences. Costs the gate and up matmuls once "
+        "more in the backward. Needs a compiled engine; a forward that computed no gated MLP raises.")
+    tiled_mlp_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_mlp; 0: as many as keep one "
+                                      "intermediate tensor within 256 MiB at 4 bytes an element (4681 tokens at an "
+                                      "intermediate size of 14336).")
     offload_activation: bool = key(boolean, False, "Copy saved activations to host memory in the forward and reload "
                                    "them ahead of their use in the backward, as far as the memory budget requires "
                                    "(compiled graphs).")

@@ -192,11 +192,13 @@ def _sequence_parallel_needs_compile(c, facts) -> Optional[str]:
     return None
 
 
-def _tiled_loss_needs_compile(c, facts) -> Optional[str]:
-    if c.compile.tiled_loss and c.compile.auto_compile is False:
-        return ("compile.tiled_loss with compile.auto_compile false: the tiled loss is a pass over the compiled "
-                "graph. Leave auto_compile unset and call engine.compile()")
-    return None
+def _tiled_pass_needs_compile(key_name: str, what: str):
+    def rule(c, facts) -> Optional[str]:
+        if getattr(c.compile, key_name) and c.compile.auto_compile is False:
+            return (f"compile.{key_name} with compile.auto_compile false: the {what} is a pass over the compiled "
+                    "graph. Leave auto_compile unset and call engine.compile()")
+        return None
+    return rule
 
 
 REFUSALS: Tuple[Rule, ...] = (
@@ -221,7 +223,8 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_divides_world),
     Rule("sequence_parallel_size", "resolve", _sequence_parallel_divides_world),
     Rule("sequence_parallel_size", "parse", _sequence_parallel_needs_compile),
-    Rule("compile.tiled_loss", "parse", _tiled_loss_needs_compile),
+    Rule("compile.tiled_loss", "parse", _tiled_pass_needs_compile("tiled_loss", "tiled loss")),
+    Rule("compile.tiled_mlp", "parse", _tiled_pass_needs_compile("tiled_mlp", "tiled MLP")),
 )
 
 

@@ -109,6 +109,20 @@ def test_register_with_transformers_refusals(overrides, message):
         _register(ulysses_case.tiny_llama_sdpa(), **overrides)
 
 
+def test_alst_tiled_computations_import_and_are_refused_naming_the_config_key():
+    """ALST scripts import DeepSpeed's TiledMLP (and friends) to patch the model's MLP: the import
+    works, the call is refused with the key whose graph pass does the same."""
+    from deepcompile.integrations.deepspeed_api._missing import RefusedByDeepcompile
+
+    ulysses_sp = _ulysses()
+    for call, key in ((lambda: ulysses_sp.TiledMLP.apply(None, None, None), "tiled_mlp"),
+                      (lambda: ulysses_sp.TiledFusedLogitsLoss.apply(None), "tiled_loss"),
+                      (lambda: ulysses_sp.SequenceTiledCompute(None), "tiled_mlp"),
+                      (lambda: ulysses_sp.sequence_tiled_compute(None), "tiled_loss")):
+        with pytest.raises(RefusedByDeepcompile, match=key):
+            call()
+
+
 def test_register_refuses_a_model_without_sdpa():
     with pytest.raises(ValueError, match="attn_implementation='eager'.*sdpa"):
         _register(ulysses_case.tiny_llama_sdpa("eager"))

@@ -10,7 +10,8 @@ Cases: SP 2 (world 2), SP 4 (world 4: 2 key/value heads repeated over 4 ranks), 
 (world 4), with ZeRO-1, 2 and 3, AdamW and SGD with momentum. Composed with what the engine already
 does: Inductor with gradient accumulation; per-layer graphs with transformers' activation
 checkpointing and the optimizer step in the backward; optimizer-state and activation offload with
-free_activation and the tiled loss (compile.tiled_loss, also without sequence parallelism); hybrid
+free_activation and the tiled loss and MLP (compile.tiled_loss, compile.tiled_mlp, also without
+sequence parallelism; the tiled MLP with per-layer graphs, checkpointing and Qwen2-MoE too); hybrid
 sharding (SP 2 x DP 2 with shard groups of 2); Qwen2-MoE (its experts a custom op). Each launch also breaks the method once on purpose and asserts parity then fails: the
 attention all-to-alls left out (each rank attends over its slice only), and each rank's own slice
 mean used as the loss.
@@ -123,6 +124,9 @@ def train_sequence_parallel(sp: int, stage: int, optimizer: str, *, slice_loss: 
         assert seq.rewritten_calls == expected, (seq.rewritten_calls, expected)
         if features.get("compile", {}).get("tiled_loss"):
             assert engine.tiled_loss.replaced == 1, engine.tiled_loss.replaced
+        if features.get("compile", {}).get("tiled_mlp"):  # per layer: one graph for both layers
+            mlps = 1 if features.get("regional") else 2  # Qwen2-MoE: each layer's shared expert
+            assert engine.tiled_mlp.replaced == mlps, engine.tiled_mlp.replaced
         return RunResult(losses, params, norms)
     finally:
         engine.destroy()
@@ -168,14 +172,18 @@ def test_sequence_parallel_2_matches_one_process():
     cases = [(2, 3, "adamw"), (2, 2, "sgd_momentum"), (2, 1, "adamw"),
              (2, 3, "sgd_momentum", {"backend": "inductor", "gas": 2}),
              (2, 3, "adamw", {"regional": True, "checkpointing": True,
-                              "compile": {"optimizer_step_in_backward": True}}),
-             # with the tiled loss, its chunk leaving a remainder (16 tokens per rank: 5, 5, 5, 1)
+                              "compile": {"optimizer_step_in_backward": True, "tiled_mlp": True,
+                                          "tiled_mlp_chunk_tokens": 3}}),
+             # with the tiled loss and MLP, their chunks leaving remainders (16 tokens per rank: 5, 5, 5, 1
+             # and 3, 3, 3, 3, 3, 1)
              (2, 3, "sgd_momentum", {"compile": {"offload_opt_states": True, "offload_activation": True,
                                                  "free_activation": True, "tiled_loss": True,
-                                                 "tiled_loss_chunk_tokens": 5}}),
-             (2, 3, "adamw", {"model": "qwen2_moe"}),
-             # the tiled loss without sequence parallelism (SP 1: data parallelism over 2 ranks)
-             (1, 3, "adamw", {"compile": {"tiled_loss": True, "tiled_loss_chunk_tokens": 5}})]
+                                                 "tiled_loss_chunk_tokens": 5, "tiled_mlp": True,
+                                                 "tiled_mlp_chunk_tokens": 3}}),
+             (2, 3, "adamw", {"model": "qwen2_moe", "compile": {"tiled_mlp": True}}),
+             # the tiled loss and MLP without sequence parallelism (SP 1: data parallelism over 2 ranks)
+             (1, 3, "adamw", {"compile": {"tiled_loss": True, "tiled_loss_chunk_tokens": 5, "tiled_mlp": True,
+                                          "tiled_mlp_chunk_tokens": 5}})]
     run_distributed(_parity_body, world_size=2, args=(cases, 2), timeout=TIMEOUT)
 
 

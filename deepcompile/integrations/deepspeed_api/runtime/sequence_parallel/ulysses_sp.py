@@ -307,4 +307,43 @@ class UlyssesSPDataLoaderAdapter:
                 yield _to(shard_batch(self._check(whole), self.sp_rank, self.sp_world_size), self.device)
 
 
+class _ComputedByAPass:
+    """ALST's tiled computations (autograd Functions that scripts call from patched model code):
+    importable, refused when called, naming the config key whose graph pass does the same work
+    on the unchanged model."""
+
+    instead = ""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise self._refusal()
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        raise cls._refusal()
+
+    @classmethod
+    def _refusal(cls) -> Exception:
+        from deepcompile.integrations.deepspeed_api._missing import refused
+
+        return refused(f"deepspeed.runtime.sequence_parallel.ulysses_sp.{cls.__name__}",
+                       f"leave the model's code unpatched and set {cls.instead} in the config: deepcompile's "
+                       "compiler rewrites the model's graph to the same effect")
+
+
+class TiledMLP(_ComputedByAPass):
+    instead = '"compile": {"tiled_mlp": true}'
+
+
+class SequenceTiledCompute(_ComputedByAPass):
+    instead = '"compile": {"tiled_mlp": true} (MLPs) or "compile": {"tiled_loss": true} (the loss)'
+
+
+class TiledFusedLogitsLoss(_ComputedByAPass):
+    instead = '"compile": {"tiled_loss": true}'
+
+
+def sequence_tiled_compute(*args: Any, **kwargs: Any) -> Any:
+    raise SequenceTiledCompute._refusal()
+
+
 __getattr__ = module_getattr("deepspeed.runtime.sequence_parallel.ulysses_sp")
