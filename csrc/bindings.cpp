@@ -29,7 +29,9 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string
   config.sync_after_reduce = syncs[1];
   config.sync_before_allgather = syncs[2];
   config.sync_after_allgather = syncs[3];
-  // The old runtime goes first: its communicator must be gone before a new one is created.
+  // The old runtime goes first: its communicator must be gone before a new one is created. Not
+  // under the runtime lock: destroyRuntime takes it within its deadline, and installRuntime below
+  // takes it to fill the slot.
   destroyRuntime();
   std::unique_ptr<Lanes> lanes;
   std::unique_ptr<Communicator> comm;
@@ -63,6 +65,7 @@ void registerZ3Params(const std::vector<int64_t>& ids, const std::vector<std::ve
                       const std::vector<bool>& persistent,
                       const std::vector<std::optional<at::ScalarType>>& expected_dtypes,
                       const std::vector<std::optional<at::ScalarType>>& gather_dtypes) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   TORCH_CHECK(shapes.size() == ids.size() && shards.size() == ids.size() && targets.size() == ids.size() &&
                   persistent.size() == ids.size() && expected_dtypes.size() == ids.size() &&
@@ -105,6 +108,18 @@ at::Tensor pinnedHostBuffer(int64_t nbytes) {
 #endif
 }
 
+// Whether a host tensor's memory is page-locked, asked of the CUDA driver (torch's is_pinned()
+// may not know buffers it did not allocate, such as pinned_host_buffer's).
+bool hostTensorIsPinned(const at::Tensor& host) {
+#ifdef DC_WITH_NCCL
+  if (!host.defined() || !host.device().is_cpu() || host.storage().data() == nullptr) return false;
+  return isPinnedHost(host.storage().data());
+#else
+  (void)host;
+  return false;  // no CUDA: nothing is pinned for a device, and a CPU runtime does not ask
+#endif
+}
+
 }  // namespace
 
 py::dict bytesDict(const CommBytes& b) {
@@ -135,6 +150,10 @@ py::dict commBytes(bool reset) {
 
 // Control calls that may wait on collectives or the device release the GIL: a gloo worker or
 // another Python thread must never be blocked behind a thread that waits for them.
+// Every control call that changes runtime state holds the runtime lock (runtime.h, lockRuntime),
+// taken after the GIL is released: a thread waiting for the lock never holds the GIL, which a
+// gloo worker finishing the lock holder's collective may need. cleanup takes it within its
+// deadline (destroyRuntime). Read-only introspection (tests, reports) takes no lock.
 PYBIND11_MODULE(_C, m) {
   m.doc() = "deepcompile runtime: control API (the ops are registered as torch.ops.dc.*)";
   // Whether setup.py found CUDA and NCCL (DC_WITH_NCCL): `deepcompile env` reports it.
@@ -149,7 +168,7 @@ PYBIND11_MODULE(_C, m) {
         "communicators); always leaves no runtime behind; safe to call when none exists",
         py::arg("timeout_s") = Runtime::kDefaultShutdownTimeoutS, py::call_guard<py::gil_scoped_release>());
   m.def("is_initialized", &runtimeInitialized);
-  m.def("reset", [] { currentRuntime().resetExecutors(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("reset", [] { auto lock = lockRuntime(); currentRuntime().resetExecutors(); }, py::call_guard<py::gil_scoped_release>());
   m.def("world_size", [] { return currentRuntime().world(); });
   m.def("rank", [] { return currentRuntime().rank(); });
   m.def("replica_size", [] {
@@ -165,18 +184,23 @@ PYBIND11_MODULE(_C, m) {
   m.def("register_z3_params", &registerZ3Params, py::call_guard<py::gil_scoped_release>());
   m.def("register_z12_param", [](int64_t id, std::vector<int64_t> shape, at::Tensor param, int64_t group_offset,
                                  int64_t partition_numel) {
+    auto lock = lockRuntime();
     currentRuntime().registerZ12Param(id, std::move(shape), std::move(param), group_offset, partition_numel);
   }, py::call_guard<py::gil_scoped_release>());
   m.def("bind_grad_target",
-        [](int64_t id, at::Tensor target, bool zero) { currentRuntime().bindGradTarget(id, std::move(target), zero); }, py::call_guard<py::gil_scoped_release>());
+        [](int64_t id, at::Tensor target, bool zero) { auto lock = lockRuntime(); currentRuntime().bindGradTarget(id, std::move(target), zero); }, py::call_guard<py::gil_scoped_release>());
   m.def("unbind_grad_targets",
-        [](std::optional<std::vector<int64_t>> ids) { currentRuntime().unbindGradTargets(ids); }, py::call_guard<py::gil_scoped_release>());
+        [](std::optional<std::vector<int64_t>> ids) { auto lock = lockRuntime(); currentRuntime().unbindGradTargets(ids); }, py::call_guard<py::gil_scoped_release>());
   m.def("register_graph", [](int64_t graph_id, std::vector<int64_t> ids, int64_t stage) {
+    auto lock = lockRuntime();
     currentRuntime().registerGraph(graph_id, ids, static_cast<int>(stage));
   }, py::call_guard<py::gil_scoped_release>());
   m.def("graph_param_ids", [](int64_t graph_id) { return currentRuntime().executor(graph_id, "graph_param_ids").ids(); });
-  m.def("set_persistent", [](int64_t id, bool persistent) { currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
-  m.def("set_host_shard", [](int64_t id, std::optional<at::Tensor> host) { currentRuntime().setHostShard(id, host); },
+  m.def("set_persistent", [](int64_t id, bool persistent) { auto lock = lockRuntime(); currentRuntime().setPersistent(id, persistent); }, py::call_guard<py::gil_scoped_release>());
+  m.def("set_host_shard", [](int64_t id, std::optional<at::Tensor> host) {
+    auto lock = lockRuntime();
+    currentRuntime().setHostShard(id, host, host.has_value() && hostTensorIsPinned(*host));
+  },
         py::call_guard<py::gil_scoped_release>());
   // The stream of a runtime lane as (stream_id, device_index, device_type): what torch.cuda.Stream
   // wraps, so that Python's offload copies run on the lanes the gathers order themselves against.
@@ -197,16 +221,17 @@ PYBIND11_MODULE(_C, m) {
                 "' (allgather, reduce-scatter, copy, offload, reload)");
     return py::tuple();
   });
-  m.def("abort_step", [] { currentRuntime().abortStep(); },
+  m.def("abort_step", [] { auto lock = lockRuntime(); currentRuntime().abortStep(); },
         "Abandon a step that raised part-way, so the next one starts clean", py::call_guard<py::gil_scoped_release>());
   // TEST-ONLY (fault_injection.h): the n-th fault point of `kind` from now throws; n=0 disarms.
   m.def("_inject_fault", [](const std::string& kind, int64_t n) { armFault(parseFaultKind(kind), n); });
-  m.def("start_backward", [](bool update) { currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
-  m.def("enable_profiling", [](bool enabled) { currentRuntime().setProfiling(enabled); });
+  m.def("start_backward", [](bool update) { auto lock = lockRuntime(); currentRuntime().startBackward(update); }, py::call_guard<py::gil_scoped_release>());
+  m.def("enable_profiling", [](bool enabled) { auto lock = lockRuntime(); currentRuntime().setProfiling(enabled); },
+        py::call_guard<py::gil_scoped_release>());
   m.def("is_profiling", [] { return currentRuntime().profiling(); });
-  m.def("invalidate_gathered_param", [](int64_t id) { currentRuntime().invalidateGathered(id); }, py::call_guard<py::gil_scoped_release>());
-  m.def("clear_all_gathered_params", [] { currentRuntime().clearAllGathered(); }, py::call_guard<py::gil_scoped_release>());
-  m.def("invalidate_all_gathered", [] { currentRuntime().invalidateAllGathered(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("invalidate_gathered_param", [](int64_t id) { auto lock = lockRuntime(); currentRuntime().invalidateGathered(id); }, py::call_guard<py::gil_scoped_release>());
+  m.def("clear_all_gathered_params", [] { auto lock = lockRuntime(); currentRuntime().clearAllGathered(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("invalidate_all_gathered", [] { auto lock = lockRuntime(); currentRuntime().invalidateAllGathered(); }, py::call_guard<py::gil_scoped_release>());
   // Introspection (tests, reports).
   // ZeRO-3 state: a ZeRO-1/2 parameter raises (it has no gathered buffer, persistence or gather dtype).
   m.def("is_gathered", [](int64_t id) { return z3Of(id, "deepcompile: is_gathered").isGathered(); });

@@ -102,6 +102,10 @@ void issueGatherGroup(Lanes& lanes, Communicator& comm, const std::vector<Z3Layo
     LaneScope scope(lanes, Lane::AllGather);
     for (size_t i = 0; i < params.size(); ++i) {
       Z3Layout& p = *params[i];
+      // The source (the shard, a host shard's staging copy or the secondary copy) is read on this
+      // lane: the allocator must not hand its block out again before that read ran, whatever the
+      // caller does with it meanwhile (offload frees a shard's device storage).
+      lanes.recordStream(sources[i], lanes.stream(Lane::AllGather));
       // Fused down-cast into this rank's own chunk; the gather then runs in place.
       comm.allGather(stageOwnChunk(sources[i], p.gather_dtype, p.gathered, comm.rank()), p.gathered);
     }
@@ -186,6 +190,7 @@ at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& p
   CommGroup group(comm, Lane::AllGather);
   {
     LaneScope scope(lanes, Lane::AllGather);
+    lanes.recordStream(source, lanes.stream(Lane::AllGather));  // read on this lane (issueGatherGroup)
     comm.allGather(stageOwnChunk(source, p.gather_dtype, buffer, comm.rank()), buffer);
   }
   group.end()->blockStream(lanes.computeStream());

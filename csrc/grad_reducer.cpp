@@ -164,6 +164,12 @@ void GradReducer::flush(at::ScalarType dtype) {
   for (const Collective& c : plan) {
     if (c.landing.param != nullptr) landings.push_back(c.landing);
   }
+  // The gradient targets are written on the reduce lane (received into directly, all-reduced,
+  // copied or added to): their blocks must not be handed out again before those writes ran, even
+  // if the caller drops a target (unbind_grad_targets, a rebind) while they are queued.
+  for (const Landing& landing : landings) {
+    if (landing.param->grad_target.defined()) lanes_.recordStream(landing.param->grad_target, reduce_stream);
+  }
   {
     CommGroup group(comm_, Lane::ReduceScatter);
     {

@@ -4,7 +4,9 @@
 // contract work. Aliasing is declared: ops that return their input say `Tensor(a) -> Tensor(a)`,
 // and free_tensors declares that it mutates its inputs. The CPU and CUDA kernels are the same
 // device-generic code: the runtime was initialized for one device, and its lanes and
-// communicator decide how work is issued; a tensor on the other device is an error.
+// communicator decide how work is issued; a tensor on another device (type or index) is an error.
+// Every kernel that reaches the runtime holds its lock (runtime.h, lockRuntime) for its whole
+// duration: on CUDA, backward ops run on autograd's device thread, not the thread that called init.
 #include <deepcompile/runtime.h>
 
 #include <torch/library.h>
@@ -13,11 +15,22 @@ namespace deepcompile {
 
 namespace {
 
+// Every dc op talks to the runtime and its communicators: host-side state, collectives and copies
+// on the runtime's own streams, host waits. A CUDA graph replays only the kernels it captured, so
+// a captured dc op would skip all of that on replay; the tag makes Inductor's CUDA graphs leave
+// these ops out (graph partitioning splits around them; without it the graph is not captured).
+// The one place that names the tag: torch 2.11 and 2.12 both spell it at::Tag::cudagraph_unsafe.
+const std::vector<at::Tag>& dcOpTags() {
+  static const std::vector<at::Tag> tags{at::Tag::cudagraph_unsafe};
+  return tags;
+}
+
 void syncIf(bool enabled) {
   if (enabled) currentRuntime().lanes().synchronizeDevice();
 }
 
 at::Tensor allgather_param(const at::Tensor& a, int64_t graph_id, int64_t id, std::optional<at::ScalarType> dtype) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   rt.checkDevice(a, "allgather_param", "the parameter input");
   Z3Executor& ex = rt.z3Executor(graph_id, "allgather_param");
@@ -29,6 +42,7 @@ at::Tensor allgather_param(const at::Tensor& a, int64_t graph_id, int64_t id, st
 
 void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
                            std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   Z3Executor& ex = rt.z3Executor(graph_id, "prefetch_params_fused");
   // The parameters only document the graph's data flow: the runtime finds them by id. Code that
@@ -48,17 +62,20 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
 }
 
 at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id) {
+  auto lock = lockRuntime();
   currentRuntime().z3Executor(graph_id, "wait_allgather").wait(id);
   // A fresh view, not the input itself: a non-mutating op below autograd may not return its input.
   return a.alias();
 }
 
 at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users) {
+  auto lock = lockRuntime();
   currentRuntime().z3Executor(graph_id, "release_param").release(id, n_users);
   return a.alias();
 }
 
 at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   rt.checkDevice(grad, "reduce_grad", "the gradient");
   CustomOpExecutor& ex = rt.executor(graph_id, "reduce_grad");
@@ -71,10 +88,12 @@ at::Tensor reduce_grad(const at::Tensor& grad, int64_t graph_id, int64_t id) {
 }
 
 void end_backward(at::TensorList deps, int64_t graph_id, bool release_reduce_buckets) {
+  auto lock = lockRuntime();
   currentRuntime().endBackward(graph_id, release_reduce_buckets);
 }
 
 void free_tensors(at::TensorList tensors) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   if (rt.profiling()) return;
   for (const at::Tensor& t : tensors) {
@@ -109,6 +128,7 @@ GraphId graphOf(const at::Tensor& graph, const char* op) {
 
 at::Tensor allgather_param_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot,
                                 std::optional<at::ScalarType> dtype) {
+  auto lock = lockRuntime();
   Runtime& rt = currentRuntime();
   const GraphId graph_id = graphOf(graph, "allgather_param");
   return allgather_param(a, graph_id, rt.z3Executor(graph_id, "allgather_param").idAtSlot(slot, "allgather_param"),
@@ -117,6 +137,7 @@ at::Tensor allgather_param_slot(const at::Tensor& a, const at::Tensor& graph, in
 
 void prefetch_params_fused_slot(at::TensorList params, const at::Tensor& graph, at::IntArrayRef slots,
                                 std::optional<at::ArrayRef<at::ScalarType>> dtypes) {
+  auto lock = lockRuntime();
   const GraphId graph_id = graphOf(graph, "prefetch_params_fused");
   Z3Executor& ex = currentRuntime().z3Executor(graph_id, "prefetch_params_fused");
   std::vector<int64_t> ids;
@@ -126,6 +147,7 @@ void prefetch_params_fused_slot(at::TensorList params, const at::Tensor& graph, 
 }
 
 at::Tensor wait_allgather_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot) {
+  auto lock = lockRuntime();
   const GraphId graph_id = graphOf(graph, "wait_allgather");
   Z3Executor& ex = currentRuntime().z3Executor(graph_id, "wait_allgather");
   ex.wait(ex.idAtSlot(slot, "wait_allgather"));
@@ -133,6 +155,7 @@ at::Tensor wait_allgather_slot(const at::Tensor& a, const at::Tensor& graph, int
 }
 
 at::Tensor release_param_slot(const at::Tensor& a, const at::Tensor& graph, int64_t slot, int64_t n_users) {
+  auto lock = lockRuntime();
   const GraphId graph_id = graphOf(graph, "release_param");
   Z3Executor& ex = currentRuntime().z3Executor(graph_id, "release_param");
   ex.release(ex.idAtSlot(slot, "release_param"), n_users);
@@ -140,11 +163,13 @@ at::Tensor release_param_slot(const at::Tensor& a, const at::Tensor& graph, int6
 }
 
 at::Tensor reduce_grad_slot(const at::Tensor& grad, const at::Tensor& graph, int64_t slot) {
+  auto lock = lockRuntime();
   const GraphId graph_id = graphOf(graph, "reduce_grad");
   return reduce_grad(grad, graph_id, currentRuntime().executor(graph_id, "reduce_grad").idAtSlot(slot, "reduce_grad"));
 }
 
 void end_backward_slot(at::TensorList deps, const at::Tensor& graph, bool release_reduce_buckets) {
+  auto lock = lockRuntime();
   currentRuntime().endBackward(graphOf(graph, "end_backward"), release_reduce_buckets);
 }
 
@@ -160,6 +185,7 @@ at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t i
   // is known only to the registry: `a` may be stored in another dtype (an fp32 master shard of
   // a bf16 parameter). The ZeRO-3 pass and the prefetch planner always name the dtype, so only
   // calls without one read the registry here.
+  auto lock = lockRuntime();
   const at::ScalarType gather_dtype = currentRuntime().registry().get(id).z3("dc.allgather_param").gather_dtype;
   return at::empty(a.sizes(), a.options().dtype(gather_dtype));
 }
@@ -199,21 +225,21 @@ void end_backward_slot_meta(at::TensorList, const at::Tensor&, bool) {}
 }  // namespace
 
 TORCH_LIBRARY(dc, m) {
-  m.def("allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor");
-  m.def("prefetch_params_fused(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None) -> ()");
-  m.def("wait_allgather(Tensor(a) a, int graph_id, int id) -> Tensor(a)");
-  m.def("release_param(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)");
-  m.def("reduce_grad(Tensor a, int graph_id, int id) -> Tensor");
-  m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()");
-  m.def("free_tensors(Tensor(a!)[] a) -> ()");
-  m.def("allgather_param.slot(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor");
+  m.def("allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor", dcOpTags());
+  m.def("prefetch_params_fused(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None) -> ()", dcOpTags());
+  m.def("wait_allgather(Tensor(a) a, int graph_id, int id) -> Tensor(a)", dcOpTags());
+  m.def("release_param(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)", dcOpTags());
+  m.def("reduce_grad(Tensor a, int graph_id, int id) -> Tensor", dcOpTags());
+  m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets) -> ()", dcOpTags());
+  m.def("free_tensors(Tensor(a!)[] a) -> ()", dcOpTags());
+  m.def("allgather_param.slot(Tensor a, Tensor graph, int slot, ScalarType? dtype=None) -> Tensor", dcOpTags());
   // The parameters come first: Inductor gives a kernel without outputs the device of its first
   // tensor argument, which must be theirs, not the host-side graph tensor's.
-  m.def("prefetch_params_fused.slot(Tensor[] params, Tensor graph, int[] slots, ScalarType[]? dtypes=None) -> ()");
-  m.def("wait_allgather.slot(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)");
-  m.def("release_param.slot(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)");
-  m.def("reduce_grad.slot(Tensor a, Tensor graph, int slot) -> Tensor");
-  m.def("end_backward.slot(Tensor[] deps, Tensor graph, bool release_reduce_buckets) -> ()");
+  m.def("prefetch_params_fused.slot(Tensor[] params, Tensor graph, int[] slots, ScalarType[]? dtypes=None) -> ()", dcOpTags());
+  m.def("wait_allgather.slot(Tensor(a) a, Tensor graph, int slot) -> Tensor(a)", dcOpTags());
+  m.def("release_param.slot(Tensor(a) a, Tensor graph, int slot, int n_users) -> Tensor(a)", dcOpTags());
+  m.def("reduce_grad.slot(Tensor a, Tensor graph, int slot) -> Tensor", dcOpTags());
+  m.def("end_backward.slot(Tensor[] deps, Tensor graph, bool release_reduce_buckets) -> ()", dcOpTags());
 }
 
 #define DC_REGISTER_DEVICE_KERNELS(m)                    \

@@ -1,6 +1,8 @@
 #include <deepcompile/gather.h>
 #include <deepcompile/runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -17,6 +19,18 @@ std::unique_ptr<Runtime>& currentSlot() {
   return *runtime;
 }
 
+// The slot's runtime, readable without the lock: only destroyRuntime reads it that way, to abort
+// the communicators of a runtime another thread holds past the shutdown deadline. Written under
+// the lock, together with the slot.
+std::atomic<Runtime*>& publishedRuntime() {
+  static auto* runtime = new std::atomic<Runtime*>(nullptr);
+  return *runtime;
+}
+
+// How long destroyRuntime waits for the lock once more after aborting the communicators of a
+// runtime that another thread held past the deadline.
+constexpr double kLockGraceAfterAbortS = 5.0;
+
 const char* stageName(int stage) {
   switch (stage) {
     case 1: return "ZeRO-1";
@@ -24,6 +38,22 @@ const char* stageName(int stage) {
     case 3: return "ZeRO-3";
   }
   return "unknown stage";
+}
+
+// checkSameDevice as a predicate (registration collects its errors before raising on every rank).
+bool sameDevice(const c10::Device& tensor, const c10::Device& runtime) {
+  try {
+    checkSameDevice(tensor, runtime, "", "");
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+std::recursive_timed_mutex* runtimeMutexPtr() {
+  // Never destroyed, like the slot: a call at exit must still find it.
+  static auto* mutex = new std::recursive_timed_mutex();
+  return mutex;
 }
 
 const RuntimeConfig& validated(const RuntimeConfig& config) {
@@ -139,10 +169,19 @@ void Runtime::abortStep() {
   update_step_ = false;
 }
 
+void checkSameDevice(const c10::Device& tensor, const c10::Device& runtime, const char* op, const char* what) {
+  // The host has one device: a CPU tensor's index (none, or 0) does not matter.
+  const bool any_index = runtime.is_cpu() || !runtime.has_index() || !tensor.has_index();
+  const bool same = tensor.type() == runtime.type() && (any_index || tensor.index() == runtime.index());
+  TORCH_CHECK(same, "dc.", op, ": ", what, " is on ", tensor, " but the deepcompile runtime was initialized for ",
+              runtime, " (every tensor the runtime reads or writes must be on its device)");
+}
+
+bool hostShardCopiesBlock(const c10::Device& runtime, bool pinned) { return !runtime.is_cpu() && !pinned; }
+
 void Runtime::checkDevice(const at::Tensor& tensor, const char* op, const char* what) const {
   TORCH_CHECK(tensor.defined(), "dc.", op, ": ", what, " is undefined");
-  TORCH_CHECK(tensor.device().type() == device().type(), "dc.", op, ": ", what, " is on ", tensor.device(),
-              " but the deepcompile runtime was initialized for ", device());
+  checkSameDevice(tensor.device(), device(), op, what);
 }
 
 void Runtime::registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage) {
@@ -239,8 +278,12 @@ void Runtime::registerZ3Params(std::vector<Z3ParamSpec> specs) {
       bad_numel = s.shard.defined() ? s.shard.numel() : -1;
       local_error = "shard of ds id " + std::to_string(s.id) + " has " + std::to_string(bad_numel) +
                     " elements, expected ceil(numel / world) = " + std::to_string(ppr);
-    } else if (s.shard.device().type() != device().type()) {
-      local_error = "shard of ds id " + std::to_string(s.id) + " is not on the runtime's device";
+    } else if (!sameDevice(s.shard.device(), device())) {
+      local_error = "shard of ds id " + std::to_string(s.id) + " is on " + s.shard.device().str() +
+                    ", not on the runtime's device " + device().str();
+    } else if (s.grad_target.defined() && s.grad_target.numel() != 0 && !sameDevice(s.grad_target.device(), device())) {
+      local_error = "gradient target of ds id " + std::to_string(s.id) + " is on " + s.grad_target.device().str() +
+                    ", not on the runtime's device " + device().str();
     } else if (s.grad_target.defined() && s.grad_target.numel() != 0 &&
                (s.grad_target.numel() != ppr || !s.grad_target.is_contiguous())) {
       local_error = "gradient target of ds id " + std::to_string(s.id) + " has " +
@@ -377,7 +420,7 @@ void Runtime::setPersistent(DsId id, bool persistent) {
   }
 }
 
-void Runtime::setHostShard(DsId id, const std::optional<at::Tensor>& host) {
+void Runtime::setHostShard(DsId id, const std::optional<at::Tensor>& host, bool host_pinned) {
   Z3Layout& z3 = registry_.get(id).z3("deepcompile: set_host_shard");
   if (!host.has_value() || !host->defined()) {
     z3.host_shard = at::Tensor();
@@ -391,6 +434,16 @@ void Runtime::setHostShard(DsId id, const std::optional<at::Tensor>& host) {
               " with ", h.numel(), " elements; the shard is ", c10::toString(z3.shard.scalar_type()), " with ",
               z3.shard.numel(), " elements");
   TORCH_CHECK(h.is_contiguous(), "deepcompile: set_host_shard: the host shard of ds id ", id, " must be contiguous");
+  // Warned, not refused: offload with pin_memory off (offload_optimizer.pin_memory false, for
+  // hosts that cannot lock that much memory) hands pageable shards here on purpose.
+  if (hostShardCopiesBlock(device(), host_pinned) && !warned_pageable_host_shard_) {
+    warned_pageable_host_shard_ = true;
+    TORCH_WARN("deepcompile: set_host_shard: the host shard of ds id ", id,
+                    " is in pageable (not page-locked) host memory, so every gather of an offloaded parameter "
+                    "copies it to ", device(), " synchronously: the host blocks and the gather overlaps nothing. "
+                    "Use pinned host memory (offload pin_memory true) unless the host cannot lock that much memory. "
+                    "(Warned once per runtime.)");
+  }
   z3.host_shard = h.view(z3.shard.sizes());
 }
 
@@ -434,6 +487,12 @@ void Runtime::freeGatheredOf(DsId id) {
   if (Z3Layout* z3 = old->maybeZ3()) freeGathered(*lanes_, *z3);
 }
 
+std::recursive_timed_mutex& runtimeMutex() { return *runtimeMutexPtr(); }
+
+std::unique_lock<std::recursive_timed_mutex> lockRuntime() {
+  return std::unique_lock<std::recursive_timed_mutex>(runtimeMutex());
+}
+
 Runtime& currentRuntime() {
   auto& slot = currentSlot();
   TORCH_CHECK(slot != nullptr,
@@ -444,17 +503,37 @@ Runtime& currentRuntime() {
 bool runtimeInitialized() { return currentSlot() != nullptr; }
 
 void installRuntime(std::unique_ptr<Runtime> runtime) {
+  auto lock = lockRuntime();
   destroyRuntime();
   currentSlot() = std::move(runtime);
+  publishedRuntime().store(currentSlot().get());
 }
 
 void destroyRuntime(double timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto budget = std::chrono::duration<double>(std::max(timeout_s, 0.0));
+  std::unique_lock<std::recursive_timed_mutex> lock(runtimeMutex(), std::defer_lock);
+  if (!lock.try_lock_for(budget)) {
+    // Another thread is inside an op or a control call past the deadline: a collective whose
+    // peers are gone. Aborting the communicators (the one call meant to come from another thread:
+    // ncclCommAbort) ends it; that thread then raises and lets go of the lock.
+    if (Runtime* held = publishedRuntime().load()) held->abortCommunicators();
+    if (!lock.try_lock_for(std::chrono::duration<double>(kLockGraceAfterAbortS))) {
+      TORCH_WARN("deepcompile: the runtime was still in use by another thread ", kLockGraceAfterAbortS,
+                 " s after its communicators were aborted at the shutdown deadline (", timeout_s,
+                 " s); it is left in place, unusable, instead of being freed under that thread");
+      return;
+    }
+  }
+  const double left = std::max(0.0, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
   // The slot is emptied first, whatever the shutdown hits: a runtime that failed to shut down
   // once used to stay installed, and every later cleanup() and init() raised its error again.
   std::unique_ptr<Runtime> runtime = std::move(currentSlot());
   currentSlot() = nullptr;
+  publishedRuntime().store(nullptr);
   if (!runtime) return;
-  const std::string error = runtime->shutdown(timeout_s);
+  const std::string error = runtime->shutdown(left);
   runtime.reset();
   if (!error.empty()) {
     TORCH_WARN("deepcompile: the runtime was shut down after an error (", error,

@@ -107,6 +107,7 @@ class NcclCommunicator final : public Communicator {
     TORCH_CHECK(recv.numel() == send.numel() * size_, "deepcompile: all-gather of ", send.numel(),
                 " elements per rank needs ", send.numel() * size_, " output elements, got ", recv.numel());
     bytes_.all_gather += nbytes(recv);
+    trace("allgather", send.numel());
     DC_NCCL_CHECK(ncclAllGather(send.data_ptr(), recv.data_ptr(), send.numel(), toNccl(send.scalar_type()), comm_,
                                 stream_),
                   "AllGather");
@@ -117,6 +118,7 @@ class NcclCommunicator final : public Communicator {
     TORCH_CHECK(send.numel() == recv.numel() * size_, "deepcompile: reduce-scatter into ", recv.numel(),
                 " elements needs ", recv.numel() * size_, " input elements, got ", send.numel());
     bytes_.reduce_scatter += nbytes(send);
+    trace("reduce-scatter", send.numel());
     DC_NCCL_CHECK(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), recv.numel(), toNccl(send.scalar_type()),
                                     averageOp(), comm_, stream_),
                   "ReduceScatter");
@@ -125,6 +127,7 @@ class NcclCommunicator final : public Communicator {
   void reduce(const at::Tensor& buffer, int root) override {
     checkCall(buffer, buffer);
     bytes_.reduce += nbytes(buffer);
+    trace("reduce", buffer.numel());
     DC_NCCL_CHECK(ncclReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
                              averageOp(), root, comm_, stream_),
                   "Reduce");
@@ -133,6 +136,7 @@ class NcclCommunicator final : public Communicator {
   void allReduce(const at::Tensor& buffer) override {
     checkCall(buffer, buffer);
     bytes_.all_reduce += nbytes(buffer);
+    trace("all-reduce", buffer.numel());
     DC_NCCL_CHECK(ncclAllReduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), toNccl(buffer.scalar_type()),
                                 averageOp(), comm_, stream_),
                   "AllReduce");
@@ -163,11 +167,18 @@ class NcclCommunicator final : public Communicator {
     // Issued on the reduce lane, which must first see the host-to-device copy of `in`.
     lanes_.waitCompute(Lane::ReduceScatter);
     const CommBytes counted = bytes_;  // a control exchange: not part of the counted traffic
-    {
+    trace("allgather-ints", static_cast<int64_t>(values.size()));  // traced as itself, like gloo's
+    const bool tracing = trace_;
+    trace_ = false;
+    try {
       CommGroup group(*this, Lane::ReduceScatter);
       allGather(in, out);
       group.end();
+    } catch (...) {
+      trace_ = tracing;
+      throw;
     }
+    trace_ = tracing;
     bytes_ = counted;
     lanes_.synchronize(Lane::ReduceScatter);
     at::Tensor host = out.cpu();

@@ -66,8 +66,6 @@ class ProcessGroupCommunicator final : public Communicator {
  public:
   explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {
     TORCH_CHECK(group_, "deepcompile: a process group is required");
-    const char* debug = std::getenv("DC_DEBUG_COLLECTIVES");
-    trace_ = debug != nullptr && debug[0] != '\0' && debug[0] != '0';
   }
   int rank() const override { return group_->getRank(); }
   int size() const override { return group_->getSize(); }
@@ -205,11 +203,6 @@ class ProcessGroupCommunicator final : public Communicator {
     if (needsStaging(t)) return t.to(at::kFloat);
     return t.is_contiguous() ? t : t.contiguous();
   }
-  // DC_DEBUG_COLLECTIVES=1 prints every collective: the first tool for a cross-rank mismatch.
-  void trace(const char* what, int64_t numel) {
-    if (trace_) std::fprintf(stderr, "[deepcompile rank %d] #%lld %s numel=%lld\n", rank(),
-                             static_cast<long long>(++issued_), what, static_cast<long long>(numel));
-  }
   void issue(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> buffers) {
     works_.push_back(std::move(work));
     for (auto& b : buffers) keep_alive_.push_back(std::move(b));
@@ -227,8 +220,6 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  bool trace_ = false;
-  int64_t issued_ = 0;
   bool in_group_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<std::function<void()>> then_;

@@ -23,4 +23,14 @@ void freePinnedHost(void* ptr) {
   if (ptr != nullptr) (void)cudaFreeHost(ptr);
 }
 
+bool isPinnedHost(const void* ptr) {
+  if (ptr == nullptr) return false;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer the driver knows: pageable
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost;
+}
+
 }  // namespace deepcompile

@@ -112,6 +112,22 @@ def test_slot_schema(name):
     assert got == want, f"\n got: {got}\nwant: {want}"
 
 
+def _every_overload():
+    """(name, OpOverload) of every dc op: each default overload and each slot overload."""
+    for name in sorted(EXPECTED_SCHEMAS):
+        yield name, getattr(ops, name).default
+    for name in sorted(EXPECTED_SLOT_SCHEMAS):
+        yield f"{name}.slot", getattr(ops, name).slot
+
+
+@pytest.mark.parametrize("name,overload", list(_every_overload()), ids=lambda v: v if isinstance(v, str) else "")
+def test_cudagraph_unsafe_tag(name, overload):
+    """Every dc op talks to the runtime and its communicators (host state, collectives on the
+    runtime's own streams), which a CUDA graph replay would skip: each carries
+    ``torch.Tag.cudagraph_unsafe``, so Inductor's CUDA graphs never capture one."""
+    assert torch.Tag.cudagraph_unsafe in overload.tags, f"dc.{name} lacks the cudagraph_unsafe tag: {overload.tags}"
+
+
 def test_alias_annotations():
     """Spelled out: outputs that are an input say so with (a); free_tensors declares (a!)."""
 

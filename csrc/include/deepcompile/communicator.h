@@ -4,6 +4,8 @@
 
 #include <deepcompile/common.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,23 @@ inline bool isWireDtype(at::ScalarType dtype) {
     default:
       return false;
   }
+}
+
+// DC_DEBUG_COLLECTIVES=1 (anything but empty or "0") makes every communicator print each
+// collective it issues to stderr: the first tool for a cross-rank mismatch (diff the ranks' logs).
+inline bool collectiveTraceEnabled() {
+  const char* debug = std::getenv("DC_DEBUG_COLLECTIVES");
+  return debug != nullptr && debug[0] != '\0' && debug[0] != '0';
+}
+
+// One trace line: "[deepcompile rank 0] #3 allgather numel=4096" (the same for every communicator,
+// so logs of the gloo and NCCL paths compare line by line). `n` counts the communicator's
+// collectives from 1.
+inline std::string formatCollectiveTrace(int rank, int64_t n, const char* what, int64_t numel) {
+  char line[160];
+  std::snprintf(line, sizeof(line), "[deepcompile rank %d] #%lld %s numel=%lld\n", rank, static_cast<long long>(n),
+                what, static_cast<long long>(numel));
+  return line;
 }
 
 class Communicator {
@@ -108,7 +127,13 @@ class Communicator {
 
  protected:
   static int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+  // Every collective calls it once, as it is issued (collectiveTraceEnabled, formatCollectiveTrace).
+  void trace(const char* what, int64_t numel) {
+    if (trace_) std::fputs(formatCollectiveTrace(rank(), ++traced_, what, numel).c_str(), stderr);
+  }
   CommBytes bytes_;
+  bool trace_ = collectiveTraceEnabled();
+  int64_t traced_ = 0;
 };
 
 // RAII for a communicator group: opens it on construction; end() closes it normally, and a

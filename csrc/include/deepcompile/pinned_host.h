@@ -12,5 +12,9 @@ namespace deepcompile {
 // nullptr with `error` set when the memory cannot be pinned (0 bytes: nullptr, no error).
 void* allocPinnedHost(std::size_t nbytes, std::string* error);
 void freePinnedHost(void* ptr);
+// Whether `ptr` lies in page-locked host memory the CUDA driver knows (allocPinnedHost's buffers,
+// torch's pinned allocator, cudaHostRegister'ed memory). Asks the driver itself: a buffer torch did
+// not allocate is pinned all the same.
+bool isPinnedHost(const void* ptr);
 
 }  // namespace deepcompile

@@ -12,6 +12,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -58,8 +59,13 @@ class Runtime {
   int rank() const { return comm_->rank(); }
   int world() const { return comm_->size(); }
 
-  // Checks that `tensor` lives where the runtime communicates.
+  // Checks that `tensor` lives where the runtime communicates: the same device type *and* index
+  // (checkSameDevice).
   void checkDevice(const at::Tensor& tensor, const char* op, const char* what) const;
+  // Aborts every communicator (Communicator::abort), without the runtime lock: destroyRuntime
+  // calls it when another thread has held the runtime past the shutdown deadline, to end the
+  // collective that thread waits in.
+  void abortCommunicators() noexcept;
 
   void registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage);
   CustomOpExecutor& executor(GraphId graph_id, const char* op);
@@ -87,8 +93,10 @@ class Runtime {
   void setPersistent(DsId id, bool persistent);
   // Parameter offload: `host` (a CPU tensor of the shard's dtype and numel) holds the ZeRO-3
   // parameter's value from now on and gathers read it (Z3Layout::host_shard); nullopt (or an
-  // undefined tensor): gathers read the device shard again.
-  void setHostShard(DsId id, const std::optional<at::Tensor>& host);
+  // undefined tensor): gathers read the device shard again. `host_pinned`: whether `host` is
+  // page-locked (the bindings ask the driver); a device runtime warns once about a pageable one
+  // (hostShardCopiesBlock).
+  void setHostShard(DsId id, const std::optional<at::Tensor>& host, bool host_pinned = false);
   // Profiling helpers: forget a gathered buffer without freeing its storage (ZeRO-3 only;
   // clearAllGathered skips ZeRO-1/2 parameters, invalidateGathered rejects them). Both also mark
   // the hpZ secondary copies stale: the next gather reads the shards.
@@ -128,7 +136,6 @@ class Runtime {
   // Waits until every lane is idle, polling against the deadline and the communicators'
   // asynchronous errors; aborts every communicator on either. The error, or empty.
   std::string drainLanes(double timeout_s);
-  void abortCommunicators() noexcept;
   // Before an id is registered again: frees the gathered buffer of the entry it replaces.
   void freeGatheredOf(DsId id);
   // Declaration order is construction order: the executor context refers to everything above it.
@@ -142,10 +149,32 @@ class Runtime {
   // The previous backward closed an accumulation window; the next one opens a new window.
   bool window_closed_ = true;
   bool profiling_ = false;
+  bool warned_pageable_host_shard_ = false;  // setHostShard warns once per runtime
   std::unique_ptr<GradReducer> reducer_;
   ExecutorContext executor_context_;
   std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
 };
+
+// Raises unless a tensor on `tensor` may be used by a runtime on `runtime`: the same device type,
+// and for a device with an index (cuda:0) the same index. The message names both devices. A
+// tensor on cuda:1 handed to a runtime on cuda:0 used to pass (the type matched); NCCL then read
+// the other GPU's memory through peer access, or failed with an illegal address.
+void checkSameDevice(const c10::Device& tensor, const c10::Device& runtime, const char* op, const char* what);
+
+// Whether gathers reading a host shard of a runtime on `runtime` copy it synchronously: a
+// pageable (not page-locked) host tensor makes every host-to-device copy a blocking one (the
+// driver stages it through its own pinned buffer), so the gather lane no longer overlaps anything.
+// A CPU runtime reads host shards in place.
+bool hostShardCopiesBlock(const c10::Device& runtime, bool pinned);
+
+// Serializes the runtime's entry points (docs/design/runtime.md, "Threads"). Every dc op kernel
+// and every control call that changes runtime state holds it for its whole duration; it is
+// recursive because ops call one another (the slot overloads). Not an owning-thread assertion: on
+// CUDA, autograd runs backward nodes (the compiled backward with its reduce_grad, end_backward
+// and gathers) on its per-device worker thread, not on the thread that called init, and
+// AOTAutograd may compile a backward (whose passes register graphs) there too.
+std::recursive_timed_mutex& runtimeMutex();
+[[nodiscard]] std::unique_lock<std::recursive_timed_mutex> lockRuntime();
 
 // The current runtime; throws a clear error when init() has not been called.
 Runtime& currentRuntime();
@@ -153,6 +182,12 @@ bool runtimeInitialized();
 void installRuntime(std::unique_ptr<Runtime> runtime);
 // Shuts the current runtime down (Runtime::shutdown) and empties the slot, whatever the
 // shutdown hit, so that init() works again; an error the shutdown hit is reported as a warning.
+// Takes the runtime lock within `timeout_s` (the deadline covers the wait for the lock and the
+// shutdown together). If another thread holds the runtime past the deadline (an op stuck in a
+// collective whose peer is gone), the communicators are aborted without the lock, which ends
+// that collective, and the lock is waited for a little longer; a runtime still held after that
+// is left in place (its communicators aborted) with a warning, rather than freed under the
+// thread that uses it.
 void destroyRuntime(double timeout_s = Runtime::kDefaultShutdownTimeoutS);
 
 }  // namespace deepcompile
