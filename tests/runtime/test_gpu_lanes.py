@@ -66,11 +66,17 @@ def _gather_source_body(ctx):
     shard = torch.randn(n, device=ctx.device)
     runtime.register_z3_param(1, [n], shard, None)
     runtime.register_graph(GRAPH, [1], 3)
+    # One gather first: the first collective pays one-time costs (communicator set-up, kernel
+    # loading) that can outlast the sleep below, and the test needs the lane still busy.
+    torch.ops.dc.prefetch_params_fused(GRAPH, [], [1], None)
     torch.cuda.synchronize()
+    runtime.invalidate_gathered_param(1)  # so that the next prefetch gathers again
     ptr = shard.data_ptr()
-    with torch.cuda.stream(runtime.lane_stream("allgather")):
+    lane = runtime.lane_stream("allgather")
+    with torch.cuda.stream(lane):
         torch.cuda._sleep(SLEEP_CYCLES)
     torch.ops.dc.prefetch_params_fused(GRAPH, [], [1], None)  # queued behind the sleep
+    assert not lane.query(), "the lane finished its sleep before the shard was freed: the test proves nothing"
     shard.untyped_storage().resize_(0)  # what offload does to a shard; the registry shares the storage
     again = torch.empty(n, device=ctx.device)
     reused = again.data_ptr() == ptr
@@ -88,14 +94,20 @@ def _grad_target_body(ctx):
     target = torch.zeros(n, device=ctx.device)
     runtime.register_z3_param(1, [n], shard, target)
     runtime.register_graph(GRAPH, [1], 3)
-    runtime.start_backward(True)
     grad = torch.randn(n, device=ctx.device)
-    torch.cuda.synchronize()
-    ptr = target.data_ptr()
-    with torch.cuda.stream(runtime.lane_stream("reduce-scatter")):
-        torch.cuda._sleep(SLEEP_CYCLES)
-    torch.ops.dc.reduce_grad(grad, GRAPH, 1)
-    torch.ops.dc.end_backward([], GRAPH, False)  # the flush writes the target behind the sleep
+    # One backward first: the first reduction pays one-time costs (communicator set-up, kernel
+    # loading) that can outlast the sleep below, and the test needs the lane still busy.
+    for warm_up in (True, False):
+        runtime.start_backward(True)
+        torch.cuda.synchronize()
+        ptr = target.data_ptr()
+        lane = runtime.lane_stream("reduce-scatter")
+        if not warm_up:
+            with torch.cuda.stream(lane):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        torch.ops.dc.reduce_grad(grad, GRAPH, 1)
+        torch.ops.dc.end_backward([], GRAPH, False)  # the flush writes the target behind the sleep
+    assert not lane.query(), "the lane finished its sleep before the target was freed: the test proves nothing"
     target.untyped_storage().resize_(0)
     again = torch.empty(n, device=ctx.device)
     reused = again.data_ptr() == ptr
