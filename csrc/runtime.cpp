@@ -1,3 +1,4 @@
+#include <deepcompile/fault_injection.h>
 #include <deepcompile/gather.h>
 #include <deepcompile/runtime.h>
 
@@ -83,6 +84,28 @@ void Runtime::abortCommunicators() noexcept {
   for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
     if (comm != nullptr) comm->abort();
   }
+}
+
+void Runtime::checkCommunicators(const char* where) {
+  if (broken_.empty()) {
+    for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
+      if (comm == nullptr) continue;
+      std::string error = comm->asyncError();
+      if (error.empty() && comm == comm_.get() && faultFires(FaultKind::AsyncError)) {
+        error = "injected test fault (async_error)";
+      }
+      if (error.empty()) continue;
+      // A communicator with an asynchronous error never completes its outstanding collectives:
+      // abort them all now (their waits return), rather than let the next wait hang.
+      abortCommunicators();
+      broken_ = std::string("the ") + comm->name() + " communicator reported an asynchronous error (" + error +
+                ") at " + where + "; the communicators were aborted";
+      break;
+    }
+  }
+  TORCH_CHECK(broken_.empty(), "deepcompile: ", broken_,
+              ". This runtime can run no more collectives: destroy the engine and initialize a new one, or let a "
+              "restarting launcher (torchrun --max-restarts) resume the job from its last checkpoint");
 }
 
 std::string Runtime::drainLanes(double timeout_s) {
@@ -202,6 +225,9 @@ void Runtime::registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int 
 }
 
 CustomOpExecutor& Runtime::executor(GraphId graph_id, const char* op) {
+  // Every op reaches its executor here: none issues a collective on aborted communicators.
+  TORCH_CHECK(broken_.empty(), "deepcompile: dc.", op, ": ", broken_,
+              ". This runtime can run no more collectives: destroy the engine and initialize a new one");
   auto it = executors_.find(graph_id);
   TORCH_CHECK(it != executors_.end(), "dc.", op, ": graph id ", graph_id,
               " is not registered (register_graph was not called for it, or the runtime was reset)");
@@ -224,6 +250,7 @@ bool Runtime::anyExecutorHoldsGather(DsId id) const {
 }
 
 void Runtime::startBackward(bool update_step) {
+  checkCommunicators("the start of a backward");
   // A backward after an update step opens a new accumulation window: the first reduction of
   // each parameter in it overwrites the target, later ones (micro-steps, other graphs) add.
   if (window_closed_) {
@@ -239,6 +266,7 @@ void Runtime::startBackward(bool update_step) {
 void Runtime::endBackward(GraphId graph_id, bool release_reduce_buckets) {
   CustomOpExecutor& ex = executor(graph_id, "end_backward");
   if (profiling_) return;
+  checkCommunicators("the end of a backward");
   // Reductions queued by any graph are flushed, so no graph's slots outlive a bucket swap.
   reducer().flushAll();
   // The optimizer reads the targets right after backward, on the compute stream: that stream

@@ -407,9 +407,11 @@ def abort_step() -> None:
 def _inject_fault(kind: str, n: int) -> None:
     """TEST-ONLY: the ``n``-th ``kind`` event from now raises inside the runtime, once (``n=0``
     disarms). ``kind``: ``"gather_alloc"`` (a gathered-buffer allocation), ``"collective"`` (a
-    collective issued inside a communicator group) or ``"completion_wait"`` (the wait on a group's
-    collectives, process-group communicator only: where a peer's failure surfaces on gloo). Counted per process; ranks that run the same
-    step hit it at the same point."""
+    collective issued inside a communicator group), ``"completion_wait"`` (the wait on a group's
+    collectives, process-group communicator only: where a peer's failure surfaces on gloo) or
+    ``"async_error"`` (the step-time poll of the communicator reports an asynchronous error, as
+    NCCL does for a lost peer: the runtime aborts its communicators and refuses further
+    collectives). Counted per process; ranks that run the same step hit it at the same point."""
     _C._inject_fault(str(kind), int(n))
 
 

@@ -152,6 +152,33 @@ def test_a_failed_collective_stays_failed_and_the_runtime_still_shuts_down():
     run_distributed(_body_failed_wait_then_cleanup, WORLD)
 
 
+def _body_async_error_breaks_the_runtime(ctx):
+    fulls, shards = setup_z3(ctx, FP32_SPECS[:2])
+    i = FP32_SPECS[0][0]
+    # The step-time poll finds an asynchronous communicator error (NCCL: a lost peer or link).
+    runtime._inject_fault("async_error", 1)
+    with pytest.raises(RuntimeError, match=r"asynchronous error \(injected test fault \(async_error\)\) at the "
+                                           r"start of a backward; the communicators were aborted"):
+        runtime.start_backward(True)
+    # From then on every op and step boundary refuses, naming the error, instead of issuing a
+    # collective on aborted communicators (NCCL: one that would never complete).
+    for call in (lambda: ops.allgather_param(shards[i], GRAPH, i), lambda: runtime.start_backward(True),
+                 lambda: ops.end_backward([], GRAPH, False)):
+        with pytest.raises(RuntimeError, match="injected test fault.*can run no more collectives"):
+            call()
+    # The shutdown still completes, and a new runtime works.
+    runtime.cleanup()
+    assert not runtime.is_initialized()
+    fulls, shards = setup_z3(ctx, FP32_SPECS[:2])
+    out = gather(shards[i], GRAPH, i)
+    assert torch.equal(out, fulls[i]), "a runtime initialized after a broken one gathers wrong values"
+    ops.release_param(out, GRAPH, i, 1)
+
+
+def test_an_asynchronous_communicator_error_aborts_and_refuses_every_later_collective():
+    run_distributed(_body_async_error_breaks_the_runtime, WORLD)
+
+
 def _body_ranks_register_different_params(ctx):
     ctx.init_runtime()
     # Each rank consistent with itself (its shard fits its shape), but rank 1 built a larger

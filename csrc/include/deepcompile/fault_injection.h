@@ -16,15 +16,18 @@
 namespace deepcompile {
 
 // CompletionWait: the wait on a group's completion fails (the process-group communicator; a
-// peer's failure surfaces there on gloo).
-enum class FaultKind : int { GatherAlloc = 0, Collective = 1, CompletionWait = 2 };
-inline constexpr int kNumFaultKinds = 3;
+// peer's failure surfaces there on gloo). AsyncError: the runtime's step-time poll of its
+// communicator reports an asynchronous error (what ncclCommGetAsyncError reports for a lost peer
+// or network), which gloo never does.
+enum class FaultKind : int { GatherAlloc = 0, Collective = 1, CompletionWait = 2, AsyncError = 3 };
+inline constexpr int kNumFaultKinds = 4;
 
 inline const char* faultKindName(FaultKind kind) {
   switch (kind) {
     case FaultKind::GatherAlloc: return "gather_alloc";
     case FaultKind::Collective: return "collective";
     case FaultKind::CompletionWait: return "completion_wait";
+    case FaultKind::AsyncError: return "async_error";
   }
   return "unknown";
 }
@@ -35,8 +38,9 @@ inline std::array<std::atomic<int64_t>, kNumFaultKinds> g_fault_countdown{};
 inline FaultKind parseFaultKind(const std::string& name) {
   if (name == "gather_alloc") return FaultKind::GatherAlloc;
   if (name == "completion_wait") return FaultKind::CompletionWait;
+  if (name == "async_error") return FaultKind::AsyncError;
   TORCH_CHECK(name == "collective", "deepcompile: _inject_fault: unknown fault kind '", name,
-              "' (expected 'gather_alloc', 'collective' or 'completion_wait')");
+              "' (expected 'gather_alloc', 'collective', 'completion_wait' or 'async_error')");
   return FaultKind::Collective;
 }
 
@@ -46,11 +50,17 @@ inline void armFault(FaultKind kind, int64_t n) {
   g_fault_countdown[static_cast<int>(kind)].store(n, std::memory_order_relaxed);
 }
 
+// Whether the armed countdown of `kind` hits zero at this point (for faults that are reported,
+// not thrown).
+inline bool faultFires(FaultKind kind) {
+  std::atomic<int64_t>& countdown = g_fault_countdown[static_cast<int>(kind)];
+  if (countdown.load(std::memory_order_relaxed) <= 0) return false;
+  return countdown.fetch_sub(1, std::memory_order_relaxed) == 1;
+}
+
 // Called where a fault of `kind` could happen for real; throws when the armed countdown hits zero.
 inline void faultPoint(FaultKind kind, const char* where) {
-  std::atomic<int64_t>& countdown = g_fault_countdown[static_cast<int>(kind)];
-  if (countdown.load(std::memory_order_relaxed) <= 0) return;
-  if (countdown.fetch_sub(1, std::memory_order_relaxed) != 1) return;
+  if (!faultFires(kind)) return;
   TORCH_CHECK(false, "deepcompile: injected test fault (", faultKindName(kind), ") at ", where);
 }
 

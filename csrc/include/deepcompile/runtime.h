@@ -66,6 +66,12 @@ class Runtime {
   // calls it when another thread has held the runtime past the shutdown deadline, to end the
   // collective that thread waits in.
   void abortCommunicators() noexcept;
+  // Polls the communicators for an asynchronous error (NCCL: a lost peer or network); on one,
+  // aborts them and marks the runtime broken. Raises while the runtime is broken. Called at the
+  // step's boundaries (start and end of each backward); cheap (no device sync, no collective).
+  void checkCommunicators(const char* where);
+  // Why the runtime can run no more collectives (empty while it can).
+  const std::string& broken() const { return broken_; }
 
   void registerGraph(GraphId graph_id, const std::vector<DsId>& ids, int stage);
   CustomOpExecutor& executor(GraphId graph_id, const char* op);
@@ -150,6 +156,7 @@ class Runtime {
   bool window_closed_ = true;
   bool profiling_ = false;
   bool warned_pageable_host_shard_ = false;  // setHostShard warns once per runtime
+  std::string broken_;  // checkCommunicators: why no collective can run any more (empty: they can)
   std::unique_ptr<GradReducer> reducer_;
   ExecutorContext executor_context_;
   std::map<GraphId, std::unique_ptr<CustomOpExecutor>> executors_;
