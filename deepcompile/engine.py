@@ -27,6 +27,7 @@ from deepcompile.memory.budget import memory_budget
 from deepcompile.offload.settings import parameter_offload_keys
 from deepcompile.passes.tiled_loss import TiledLoss
 from deepcompile.passes.tiled_mlp import TiledMLP
+from deepcompile.passes.tiling_choice import TilingChoice
 from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
@@ -178,10 +179,13 @@ class Engine:
         self.scheduler.report.contributors = list(self.parts) + [LinkReport(self.topology, self.stage),
                                                                  self._sizes_report()]
         runtime.register_graph(EAGER_GRAPH_ID, sorted(self.sharding.ds_id_of.values()), stage=self.stage)
-        # compile.tiled_loss (passes/tiled_loss.py), or None.
-        self.tiled_loss = TiledLoss(config.compile.tiled_loss_chunk_tokens) if config.compile.tiled_loss else None
-        # compile.tiled_mlp (passes/tiled_mlp.py), or None.
-        self.tiled_mlp = TiledMLP(config.compile.tiled_mlp_chunk_tokens) if config.compile.tiled_mlp else None
+        # compile.tiled_loss (passes/tiled_loss.py) and compile.tiled_mlp (passes/tiled_mlp.py), or
+        # None; "planned" leaves each site to the memory budget (passes/tiling_choice.py).
+        tiled = config.compile
+        self.tiled_loss = TiledLoss(tiled.tiled_loss_chunk_tokens, TilingChoice(
+            tiled.tiled_loss, self.memory_budget.bytes)) if tiled.tiled_loss else None
+        self.tiled_mlp = TiledMLP(tiled.tiled_mlp_chunk_tokens, TilingChoice(
+            tiled.tiled_mlp, self.memory_budget.bytes)) if tiled.tiled_mlp else None
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
                                               captured_graph_passes=self._captured_graph_passes())
@@ -263,13 +267,13 @@ class Engine:
                 "torch.nn.functional.scaled_dot_product_attention for the pass to split, so each rank attended "
                 "over its own slice only. Load the model with attn_implementation=\"sdpa\" (other attention "
                 "kernels are not supported yet)")
-        if self.tiled_loss is not None and self.tiled_loss.replaced == 0:
+        if self.tiled_loss is not None and not self.tiled_loss.choice.planned and self.tiled_loss.replaced == 0:
             raise RuntimeError(
                 "deepcompile: compile.tiled_loss is on, but the compiled forward computed no "
                 "cross_entropy over a linear layer's output (a causal LM's loss from its LM head, as transformers "
                 "computes it when labels are given) for the pass to tile; pass labels to the model, or turn "
                 "compile.tiled_loss off")
-        if self.tiled_mlp is not None and self.tiled_mlp.replaced == 0:
+        if self.tiled_mlp is not None and not self.tiled_mlp.choice.planned and self.tiled_mlp.replaced == 0:
             raise RuntimeError(
                 "deepcompile: compile.tiled_mlp is on, but the compiled forward computed no gated MLP "
                 "(linear(act(linear(x, gate)) * linear(x, up), down) without biases, act SiLU or GELU, as Llama, "

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Optional
 
 from deepcompile.config.errors import show
 from deepcompile.config.schema import Section, fixed_key, key, off_only_key
-from deepcompile.config.validators import boolean, check_keys, choice, integer, number, optional, string
+from deepcompile.config.validators import (boolean, boolean_or, check_keys, choice, integer, number, optional,
+                                           string)
 
 # The optional ZeRO-3 passes a schedule can name (deepcompile/scheduling/schedule.py runs them).
 PASS_NAMES = ("prefetch", "selective_gather")
@@ -63,18 +64,22 @@ class CompileConfig(Section):
                                 "(compiled graphs, every backend and stage).")
     free_activation_threshold: int = key(integer(0), 10 * 1024 * 1024,
                                          "Bytes; free_activation frees tensors larger than this.")
-    tiled_loss: bool = key(
-        boolean, False, "Compute a causal LM's loss (cross-entropy over its LM head's output) a chunk of tokens at a "
+    tiled_loss: Any = key(
+        boolean_or("planned"), False, "Compute a causal LM's loss (cross-entropy over its LM head's output) a chunk of "
+        "tokens at a "
         "time, in the forward and again in the backward, so the [tokens, vocab] logits, their fp32 upcast and their "
         "gradient are never held whole (passes/tiled_loss.py). The model's returned logits are then an expanded NaN "
-        "of their shape (no memory). Needs a compiled engine; a forward that computed no such loss raises.")
+        "of their shape (no memory). 'planned': only where the logits' bytes exceed 2% of the memory budget "
+        "(passes/tiling_choice.py). Needs a compiled engine; with true, a forward that computed no such loss raises.")
     tiled_loss_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_loss; 0: as many as fit "
                                        "256 MiB of fp32 logits (about 2100 tokens at a 32k vocabulary, 520 at 128k).")
-    tiled_mlp: bool = key(
-        boolean, False, "Compute each gated MLP (Llama's, Qwen2's, Mistral's, Gemma's down(act(gate(x)) * up(x))) a "
+    tiled_mlp: Any = key(
+        boolean_or("planned"), False, "Compute each gated MLP (Llama's, Qwen2's, Mistral's, Gemma's "
+        "down(act(gate(x)) * up(x))) a "
         "chunk of tokens at a time and recompute it in the backward, so its [tokens, intermediate] activations are "
         "never saved (passes/tiled_mlp.py; ALST's tiled MLP): for long sequences. Costs the gate and up matmuls once "
-        "more in the backward. Needs a compiled engine; a forward that computed no gated MLP raises.")
+        "more in the backward. 'planned': only MLPs whose intermediates' bytes exceed 2% of the memory budget "
+        "(passes/tiling_choice.py). Needs a compiled engine; with true, a forward that computed no gated MLP raises.")
     tiled_mlp_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_mlp; 0: as many as keep one "
                                       "intermediate tensor within 256 MiB at 4 bytes an element (4681 tokens at an "
                                       "intermediate size of 14336).")

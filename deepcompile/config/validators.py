@@ -25,6 +25,17 @@ def boolean(value: Any, key: str) -> bool:
     return value
 
 
+def boolean_or(word: str) -> Check:
+    """true, false, or the one string ``word`` (a third setting, e.g. "planned")."""
+
+    def check(value: Any, key: str) -> Any:
+        if type(value) is bool or value == word:
+            return value
+        raise ValueError(f"{key} must be true, false or {word!r}, got {show(value)}")
+
+    return check
+
+
 def integer(minimum: int) -> Check:
     what = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
 

@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import ops
 from deepcompile.passes import tiled_loss_kernels  # noqa: F401  (registers the kernels)
+from deepcompile.passes.tiling_choice import TilingChoice
 
 _LINEAR = (F.linear,)  # torch._C._nn.linear itself: Dynamo records that object
 _CROSS_ENTROPY = (F.cross_entropy,)
@@ -98,10 +99,21 @@ def _nan_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden.new_full((), float("nan")).expand(*hidden.shape[:-1], weight.shape[0])
 
 
-def tile_losses(gm: GraphModule, configured_chunk: int) -> int:
-    """Replace every tileable loss of ``gm`` (see the module's doc); returns how many."""
+def held_bytes(head: Node) -> int:
+    """What the untiled loss holds at once: the logits in their dtype, their fp32 upcast and the
+    fp32 values the loss saves for its gradient (from the traced shape)."""
+    example = _example(head)
+    if example is None:
+        return 0
+    return example.numel() * (example.element_size() + 8)
+
+
+def tile_losses(gm: GraphModule, configured_chunk: int, choice: TilingChoice = None) -> int:
+    """Replace the tileable losses of ``gm`` that ``choice`` wants (default: all; see the module's
+    doc); returns how many."""
+    choice = choice if choice is not None else TilingChoice(True)
     graph = gm.graph
-    losses = find_losses(gm)
+    losses = [(ce, head) for ce, head in find_losses(gm) if choice.wants(held_bytes(head))]
     for ce, head in losses:
         hidden, weight = head.args[0], head.args[1]
         vocab = _example(weight).shape[0] if _example(weight) is not None else _example(head).shape[-1]
@@ -134,14 +146,16 @@ def tile_losses(gm: GraphModule, configured_chunk: int) -> int:
 
 
 class TiledLoss:
-    """One engine's ``compile.tiled_loss``: the pass over each captured graph, and how many
-    losses it has replaced (the engine refuses to train on when the option found none)."""
+    """One engine's ``compile.tiled_loss``: the pass over each captured graph, how many losses it
+    has replaced and, under "planned", how many it left (the engine refuses to train on when
+    ``true`` found none)."""
 
-    def __init__(self, configured_chunk: int):
+    def __init__(self, configured_chunk: int, choice: TilingChoice = None):
         self.configured_chunk = configured_chunk
+        self.choice = choice if choice is not None else TilingChoice(True)
         self.replaced = 0
 
     def rewrite(self, gm: GraphModule) -> int:
-        count = tile_losses(gm, self.configured_chunk)
+        count = tile_losses(gm, self.configured_chunk, self.choice)
         self.replaced += count
         return count

@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import ops
 from deepcompile.passes import tiled_mlp_kernels  # noqa: F401  (registers the kernels)
+from deepcompile.passes.tiling_choice import TilingChoice
 
 _LINEAR = (F.linear,)  # torch._C._nn.linear itself: Dynamo records that object
 _MUL = (operator.mul, torch.mul, torch.Tensor.mul)
@@ -117,12 +118,23 @@ def _intermediate(mlp: GatedMLP) -> int:
     return int(example.shape[-1]) if isinstance(example, torch.Tensor) else 1
 
 
-def tile_mlps(gm: GraphModule, configured_chunk: int) -> int:
-    """Replace every gated MLP of ``gm`` and its subgraphs (see the module's doc); returns how many."""
+def held_bytes(mlp: GatedMLP) -> int:
+    """What autograd holds of the MLP's intermediates for the backward, untiled: the gate's and
+    up projection's outputs, the activation and their product (from the traced shapes)."""
+    example = mlp.inner[0].meta.get("example_value")
+    if not isinstance(example, torch.Tensor):
+        return 0
+    return 4 * example.numel() * example.element_size()
+
+
+def tile_mlps(gm: GraphModule, configured_chunk: int, choice: TilingChoice = None) -> int:
+    """Replace the gated MLPs of ``gm`` and its subgraphs that ``choice`` wants (default: all; see
+    the module's doc); returns how many."""
+    choice = choice if choice is not None else TilingChoice(True)
     total = 0
     for graph_module in _graphs(gm):
         graph = graph_module.graph
-        mlps = find_mlps(graph_module)
+        mlps = [mlp for mlp in find_mlps(graph_module) if choice.wants(held_bytes(mlp))]
         for mlp in mlps:
             with graph.inserting_before(mlp.down):
                 tiled = graph.call_function(ops.GATED_MLP, (mlp.x, mlp.gate, mlp.up, mlp.down_weight, mlp.activation,
@@ -140,14 +152,16 @@ def tile_mlps(gm: GraphModule, configured_chunk: int) -> int:
 
 
 class TiledMLP:
-    """One engine's ``compile.tiled_mlp``: the pass over each captured graph, and how many MLPs it
-    has replaced (the engine refuses to train on when the option found none)."""
+    """One engine's ``compile.tiled_mlp``: the pass over each captured graph, how many MLPs it has
+    replaced and, under "planned", how many it left (the engine refuses to train on when ``true``
+    found none)."""
 
-    def __init__(self, configured_chunk: int):
+    def __init__(self, configured_chunk: int, choice: TilingChoice = None):
         self.configured_chunk = configured_chunk
+        self.choice = choice if choice is not None else TilingChoice(True)
         self.replaced = 0
 
     def rewrite(self, gm: GraphModule) -> int:
-        count = tile_mlps(gm, self.configured_chunk)
+        count = tile_mlps(gm, self.configured_chunk, self.choice)
         self.replaced += count
         return count

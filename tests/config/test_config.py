@@ -325,6 +325,18 @@ def test_steps_per_print_infinity_logs_no_step_line():
     assert never.last_line is None and never.last_values == {}
 
 
+@pytest.mark.parametrize("name", ["tiled_loss", "tiled_mlp"])
+def test_tiled_passes_take_true_false_or_planned_and_need_a_compiled_engine(name):
+    for value in (True, False, "planned"):
+        assert getattr(Config.from_any(make(compile={name: value})).compile, name) == value
+    for value in ("yes", 1, None):
+        assert f"compile.{name} must be true, false or 'planned'" in err(make(compile={name: value}))
+    assert "cannot derive" in err(make(compile={name: "auto"}))  # Trainer's word, not this key's
+    for value in (True, "planned"):
+        assert f"compile.{name} with compile.auto_compile false" in err(
+            make(compile={name: value, "auto_compile": False}))
+
+
 @pytest.mark.parametrize("value", [float("-inf"), float("nan"), "inf", "Infinity", 0, 2.5, True])
 def test_steps_per_print_refuses_other_values(value):
     assert "steps_per_print must be a positive integer or Infinity (never)" in err(make(steps_per_print=value))

@@ -122,3 +122,26 @@ def test_the_pass_leaves_weighted_or_smoothed_losses_alone():
         torch.compile(fn, backend=backend)(torch.randn(5, 4), torch.randint(0, 7, (5,)))
         assert counts == [0], fn.__name__
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("budget,expected", [(None, 0), (10**9, 0), (10**5, 1)])
+def test_planned_tiles_the_loss_only_over_its_share_of_the_budget(budget, expected):
+    """compile.tiled_loss "planned": 24 tokens x 61 words x (4 + 8) bytes = 17 KiB of logits and
+    loss values, over 2 % of a 100 kB budget, under 2 % of 1 GB; no budget: never tiled."""
+    from deepcompile.passes.tiling_choice import PLANNED, TilingChoice
+
+    model = _tiny_llama()
+    tokens = torch.randint(0, 61, (2, 12))
+    tiled = tiled_loss.TiledLoss(5, TilingChoice(PLANNED, budget))
+
+    def backend(gm, example_inputs):
+        tiled.rewrite(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert (tiled.replaced, tiled.choice.left) == (expected, 1 - expected)
+    assert bool(out.logits.isnan().all()) == bool(expected)  # untiled, the logits are real

@@ -142,3 +142,51 @@ def test_an_mlp_whose_intermediate_is_read_elsewhere_is_left_alone():
 
 def test_every_activation_of_the_pass_has_a_kernel():
     assert set(tiled_mlp_kernels.ACTIVATIONS) == {"silu", "gelu", "gelu_tanh"}
+
+
+@pytest.mark.parametrize("budget,expected", [(None, 0), (10**9, 0), (10**5, 2)])
+def test_planned_tiles_only_what_exceeds_its_share_of_the_budget(budget, expected):
+    """compile.tiled_mlp "planned": the tiny Llama's MLP holds 4 x 24 tokens x 48 x 4 bytes =
+    18 KiB of intermediates, over 2 % of a 100 kB budget, under 2 % of 1 GB; no budget (a CPU
+    device): never."""
+    from deepcompile.passes.tiling_choice import PLANNED, TilingChoice
+
+    model = _model("llama")
+    tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    tiled = tiled_mlp.TiledMLP(5, TilingChoice(PLANNED, budget))
+
+    def backend(gm, example_inputs):
+        tiled.rewrite(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert (tiled.replaced, tiled.choice.tiled, tiled.choice.left) == (expected, expected, 2 - expected)
+
+
+def _engine_body(ctx, budget, expected):
+    import deepcompile
+
+    model = _model("llama")
+    config = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "compile": {"tiled_mlp": "planned", "memory_budget_bytes": budget, "backend": "eager"}}
+    engine = deepcompile.initialize(model, None, config)
+    engine.compile(backend="eager")
+    try:
+        tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+        engine.backward(engine(input_ids=tokens, labels=tokens, use_cache=False).loss)  # no "found none" error
+        engine.step()
+        assert engine.tiled_mlp.replaced == expected, (engine.tiled_mlp.replaced, expected)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("budget,expected", [(10**5, 2), (10**12, 0)])
+def test_the_engine_plans_the_tiled_mlp_from_its_memory_budget(budget, expected):
+    from _harness.multiproc import run_distributed
+
+    run_distributed(_engine_body, 1, args=(budget, expected), timeout=300)
