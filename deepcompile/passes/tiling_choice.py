@@ -4,8 +4,9 @@
 budget (memory/budget.py): a site is tiled when the bytes tiling keeps from being held, counted
 from the traced shapes, exceed :data:`PLANNED_SHARE` of the budget; the rest run as the model
 computes them, at no extra cost. At short sequences nothing is tiled; at long ones the logits and
-the MLPs' intermediates are (at 2 % of an H200's default budget, 2.5 GiB: a 1B Llama's MLP from
-about 28k tokens a micro-batch, an 8B's from 11k; a 128k-word vocabulary's loss from 2.1k tokens).
+the MLPs' intermediates are (2 % of an H200's default budget is 2.5 GiB: in bf16 a 1B Llama's
+MLP is tiled from about 60k tokens per rank, an 8B's from 24k, and a 128k-word vocabulary's loss
+from 2.1k tokens).
 Without a budget (a CPU device without ``compile.memory_budget_bytes``) nothing is tiled.
 """
 
