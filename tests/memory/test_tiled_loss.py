@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _harness.captured_pass import run_with_pass
 from deepcompile import ops
 from deepcompile.passes import tiled_loss
 
@@ -133,15 +134,6 @@ def test_planned_tiles_the_loss_only_over_its_share_of_the_budget(budget, expect
     model = _tiny_llama()
     tokens = torch.randint(0, 61, (2, 12))
     tiled = tiled_loss.TiledLoss(5, TilingChoice(PLANNED, budget))
-
-    def backend(gm, example_inputs):
-        tiled.rewrite(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens, use_cache=False)
-    finally:
-        torch._dynamo.reset()
+    out = run_with_pass(model, tiled.rewrite, input_ids=tokens, labels=tokens, use_cache=False)
     assert (tiled.replaced, tiled.choice.left) == (expected, 1 - expected)
     assert bool(out.logits.isnan().all()) == bool(expected)  # untiled, the logits are real

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _harness.captured_pass import run_with_pass
 from deepcompile import ops
 from deepcompile.passes import tiled_mlp, tiled_mlp_kernels
 
@@ -97,17 +98,8 @@ def test_the_pass_tiles_every_transformers_mlp_and_keeps_loss_and_gradients(kind
     ref = model(input_ids=tokens, labels=tokens, use_cache=False)
     ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
     tiled = tiled_mlp.TiledMLP(5)
-
-    def backend(gm, example_inputs):
-        tiled.rewrite(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens, use_cache=False)
-        grads = torch.autograd.grad(out.loss, list(model.parameters()))
-    finally:
-        torch._dynamo.reset()
+    out = run_with_pass(model, tiled.rewrite, input_ids=tokens, labels=tokens, use_cache=False)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
     assert tiled.replaced == 2  # both layers' MLPs (inside the checkpointed regions' subgraphs too)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     for (name, _), mine, theirs in zip(model.named_parameters(), grads, ref_grads):
@@ -154,16 +146,7 @@ def test_planned_tiles_only_what_exceeds_its_share_of_the_budget(budget, expecte
     model = _model("llama")
     tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
     tiled = tiled_mlp.TiledMLP(5, TilingChoice(PLANNED, budget))
-
-    def backend(gm, example_inputs):
-        tiled.rewrite(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens, use_cache=False)
-    finally:
-        torch._dynamo.reset()
+    run_with_pass(model, tiled.rewrite, input_ids=tokens, labels=tokens, use_cache=False)
     assert (tiled.replaced, tiled.choice.tiled, tiled.choice.left) == (expected, expected, 2 - expected)
 
 
