@@ -58,3 +58,25 @@ def share_always_called_hooks(modules: Sequence[nn.Module]) -> Callable[[], None
                     (hook_id, True) for hook_id in module._forward_hooks if hook_id in shared)
 
     return undo
+
+
+# nn.Module._apply (what .to(), .cpu(), .half() run on every module) as torch defines it, while a
+# wrapper replaces it (zero/placeholder_moves.py); None when not wrapped.
+_ORIGINAL_APPLY: Optional[Callable] = None
+
+
+def wrap_module_apply(make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``nn.Module._apply`` by ``make_wrapper(original)`` for every module of the process,
+    until :func:`unwrap_module_apply`. Relies on ``_apply(self, fn, recurse=True)`` being the one
+    path of torch's device and dtype conversions of a module (torch 2.11, 2.12)."""
+    global _ORIGINAL_APPLY
+    if _ORIGINAL_APPLY is None:
+        _ORIGINAL_APPLY = nn.Module._apply
+        nn.Module._apply = make_wrapper(_ORIGINAL_APPLY)
+
+
+def unwrap_module_apply() -> None:
+    global _ORIGINAL_APPLY
+    if _ORIGINAL_APPLY is not None:
+        nn.Module._apply = _ORIGINAL_APPLY
+        _ORIGINAL_APPLY = None

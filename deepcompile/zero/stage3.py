@@ -13,7 +13,7 @@ from deepcompile.precision.loss_scaler import found_overflow
 from deepcompile.precision.policy import PrecisionPolicy
 from deepcompile.zero import leaf_modules
 from deepcompile.zero.backward_step import BackwardStep
-from deepcompile.zero import gathered_params
+from deepcompile.zero import gathered_params, placeholder_moves
 from deepcompile.zero.eager_fallback import EagerGatherHooks, gather_full_copy
 from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.materialize import InitFn, still_unset
@@ -66,6 +66,8 @@ class Zero3Sharding(Sharding):
         self.eager = EagerGatherHooks(model, self.params)
         leaf_modules.install_scope(model, self.eager.leaf_scope)
         gathered_params.register(self)  # deepspeed.zero.GatheredParameters finds these parameters' stage
+        placeholder_moves.acquire()  # module.cpu() / .to(dtype) keep placeholders one element big
+        self._moves_acquired = True
         if config.compile.optimizer_step_in_backward:
             self.backward_step = BackwardStep(self.optimizer, self.param_names(), self.sub_group_size)
             self.eager.on_leaf_reductions = self.backward_step.note_eager_reductions
@@ -131,6 +133,9 @@ class Zero3Sharding(Sharding):
     def close(self) -> None:
         self.eager.remove()
         gathered_params.unregister(self)
+        if getattr(self, "_moves_acquired", False):
+            self._moves_acquired = False
+            placeholder_moves.release()
         if self.backward_step is not None:
             self.backward_step.close()
 
