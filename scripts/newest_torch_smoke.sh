@@ -2,8 +2,8 @@
 # CPU parity smoke test on the newest torch the package registry serves, when that differs from
 # the torch installed here (CI stays on 2.12.x; this catches private-API moves early).
 #
-# The newest torch goes into a venv of its own (build/newest-torch-venv, ignored by git) together
-# with requirements-dev.txt, so the installed torch is never touched. deepcompile is built
+# The newest torch goes into a venv of its own (build/newest-torch-venv, ignored by git) with only
+# what the smoke needs, so the installed torch is never touched. deepcompile is built
 # CPU-only (DC_DISABLE_CUDA=1: the CUDA toolkit here need not match that torch's CUDA) from a
 # copy of the sources in build/newest-torch-src, so the in-place build of the main checkout keeps
 # its extension compiled against the installed torch. A re-run reuses the venv (if its torch is
@@ -66,13 +66,52 @@ if [ "$newest" = "$installed" ]; then
   exit 0
 fi
 
-venv_torch() { "$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true; }
-if [ "$(venv_torch)" != "$newest" ]; then
+# What the smoke needs and no more: torch and the libraries it loads at import (the registry's
+# default wheel is a CUDA build, and it imports and runs on CPU-only machines), the build tools,
+# pytest, and transformers for the Llama and Qwen2-MoE tests. Triton is left out: Inductor
+# generates C++ on CPU, and triton is a gigabyte.
+SMOKE_REQUIREMENTS=("torch==$newest" "setuptools>=64" wheel ninja pytest numpy "transformers>=5.17")
+LEFT_OUT=(triton)
+# The install peaks at what is installed plus the largest wheel being unpacked (about 5.5 GB
+# for torch 2.15). CI machines have little disk left after the full suite, so check first.
+MIN_FREE_GB=${DC_NEWEST_TORCH_MIN_FREE_GB:-6}
+
+venv_ready() { [ -f "$VENV/.smoke-torch" ] && [ "$(cat "$VENV/.smoke-torch")" = "$newest" ]; }
+if ! venv_ready; then
   rm -rf "$VENV"
+  mkdir -p "$(dirname "$VENV")"
+  free_gb=$(df --output=avail -BG "$(dirname "$VENV")" | tail -n 1 | tr -dc 0-9)
+  echo "newest-torch smoke: ${free_gb} GB free where the venv goes ($(dirname "$VENV"))"
+  if [ "$free_gb" -lt "$MIN_FREE_GB" ]; then
+    echo "newest-torch smoke: NOT RUN: installing torch $newest needs about $MIN_FREE_GB GB free," \
+         "this machine has $free_gb GB. Torch $newest is untested here; run this script where" \
+         "there is room (DC_NEWEST_TORCH_MIN_FREE_GB lowers the threshold)." >&2
+    exit 0
+  fi
   "$PY" -m venv "$VENV"
-  # One resolve for torch and the test requirements, so they agree. The registry's default
-  # wheel is a CUDA build; it imports and runs on CPU-only machines.
-  "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir -q "torch==$newest" -r requirements-dev.txt
+  # One resolve for everything, then one package per pip call for the big ones, so that at most
+  # one large wheel sits downloaded beside the installed packages at a time.
+  "$VENV/bin/python" -m pip install --progress-bar off -q --dry-run --ignore-installed \
+      --report "$VENV/resolve.json" "${SMOKE_REQUIREMENTS[@]}"
+  mapfile -t PINS < <("$VENV/bin/python" - "$VENV/resolve.json" "${LEFT_OUT[@]}" <<'PYEOF'
+import json, sys
+report, left_out = sys.argv[1], {name.lower() for name in sys.argv[2:]}
+for item in json.load(open(report))["install"]:
+    name = item["metadata"]["name"]
+    if name.lower() not in left_out:
+        print(f"{name}=={item['metadata']['version']}")
+PYEOF
+  )
+  small=()
+  for pin in "${PINS[@]}"; do
+    case "${pin,,}" in
+      torch==*|nvidia-*|cuda-*) "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir -q --no-deps "$pin" ;;
+      *) small+=("$pin") ;;
+    esac
+  done
+  "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir -q --no-deps "${small[@]}"
+  echo "$newest" > "$VENV/.smoke-torch"
+  echo "newest-torch smoke: venv holds $(du -sh "$VENV" | cut -f1)"
 fi
 echo "newest-torch smoke: venv ready ($((SECONDS - START)) s)"
 
