@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import ops
 from deepcompile.passes import tiled_loss_kernels  # noqa: F401  (registers the kernels)
+from deepcompile.passes.tiled_pass import TiledPass
 from deepcompile.passes.tiling_choice import TilingChoice
 
 _LINEAR = (F.linear,)  # torch._C._nn.linear itself: Dynamo records that object
@@ -145,17 +146,8 @@ def tile_losses(gm: GraphModule, configured_chunk: int, choice: TilingChoice = N
     return len(losses)
 
 
-class TiledLoss:
-    """One engine's ``compile.tiled_loss``: the pass over each captured graph, how many losses it
-    has replaced and, under "planned", how many it left (the engine refuses to train on when
-    ``true`` found none)."""
+class TiledLoss(TiledPass):
+    """``compile.tiled_loss``'s pass (passes/tiled_pass.py) with this module's ``tile_losses``."""
 
     def __init__(self, configured_chunk: int, choice: TilingChoice = None):
-        self.configured_chunk = configured_chunk
-        self.choice = choice if choice is not None else TilingChoice(True)
-        self.replaced = 0
-
-    def rewrite(self, gm: GraphModule) -> int:
-        count = tile_losses(gm, self.configured_chunk, self.choice)
-        self.replaced += count
-        return count
+        super().__init__(tile_losses, configured_chunk, choice)

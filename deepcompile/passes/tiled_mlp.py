@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import ops
 from deepcompile.passes import tiled_mlp_kernels  # noqa: F401  (registers the kernels)
+from deepcompile.passes.tiled_pass import TiledPass
 from deepcompile.passes.tiling_choice import TilingChoice
 
 _LINEAR = (F.linear,)  # torch._C._nn.linear itself: Dynamo records that object
@@ -151,17 +152,8 @@ def tile_mlps(gm: GraphModule, configured_chunk: int, choice: TilingChoice = Non
     return total
 
 
-class TiledMLP:
-    """One engine's ``compile.tiled_mlp``: the pass over each captured graph, how many MLPs it has
-    replaced and, under "planned", how many it left (the engine refuses to train on when ``true``
-    found none)."""
+class TiledMLP(TiledPass):
+    """``compile.tiled_mlp``'s pass (passes/tiled_pass.py) with this module's ``tile_mlps``."""
 
     def __init__(self, configured_chunk: int, choice: TilingChoice = None):
-        self.configured_chunk = configured_chunk
-        self.choice = choice if choice is not None else TilingChoice(True)
-        self.replaced = 0
-
-    def rewrite(self, gm: GraphModule) -> int:
-        count = tile_mlps(gm, self.configured_chunk, self.choice)
-        self.replaced += count
-        return count
+        super().__init__(tile_mlps, configured_chunk, choice)

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,31 @@ class CountingLanes final : public Lanes {
   void synchronizeDevice() override { ++host_waits; }
   void recordStream(const at::Tensor&, const c10::Stream&) override {}
   int host_waits = 0;  // completions waited on and lanes synchronised by the host
+};
+
+// A world-of-one communicator whose collectives do nothing; it sets `aborted` when the runtime
+// aborts it and, when `async_error` is not empty, reports that as its asynchronous error. The
+// shutdown and cleanup tests use it to see that a stuck runtime's communicators get aborted.
+class AbortFlagCommunicator final : public Communicator {
+ public:
+  explicit AbortFlagCommunicator(std::atomic<bool>& aborted, std::string async_error = {})
+      : aborted_(aborted), async_(std::move(async_error)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const char* name() const override { return "abort-flag"; }
+  void beginGroup(Lane) override {}
+  void allGather(const at::Tensor&, const at::Tensor&) override {}
+  void reduceScatter(const at::Tensor&, const at::Tensor&) override {}
+  void reduce(const at::Tensor&, int) override {}
+  void allReduce(const at::Tensor&) override {}
+  CompletionPtr endGroup() override { return readyCompletion(); }
+  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override { return values; }
+  std::string asyncError() override { return async_; }
+  void abort() noexcept override { aborted_ = true; }
+
+ private:
+  std::atomic<bool>& aborted_;
+  std::string async_;
 };
 
 struct RuntimeFixture : ::testing::Test {

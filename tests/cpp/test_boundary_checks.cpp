@@ -62,29 +62,6 @@ TEST(CollectiveTrace, LineFormat) {
             "[deepcompile rank 3] #12 reduce-scatter numel=4096\n");
 }
 
-namespace {
-
-class AbortFlagCommunicator final : public Communicator {
- public:
-  explicit AbortFlagCommunicator(std::atomic<bool>& aborted) : aborted_(aborted) {}
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "abort-flag"; }
-  void beginGroup(Lane) override {}
-  void allGather(const at::Tensor&, const at::Tensor&) override {}
-  void reduceScatter(const at::Tensor&, const at::Tensor&) override {}
-  void reduce(const at::Tensor&, int) override {}
-  void allReduce(const at::Tensor&) override {}
-  CompletionPtr endGroup() override { return readyCompletion(); }
-  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override { return values; }
-  void abort() noexcept override { aborted_ = true; }
-
- private:
-  std::atomic<bool>& aborted_;
-};
-
-}  // namespace
-
 // The lock is held by one thread at a time (ops on autograd's device thread, control calls on the
 // main thread), and re-entered by the thread that holds it (the slot overloads call the others).
 TEST(RuntimeLock, SerializesThreadsAndIsReentrant) {

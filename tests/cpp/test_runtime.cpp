@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 
@@ -244,7 +245,7 @@ namespace {
 // peer that is gone.
 class StuckLanes final : public Lanes {
  public:
-  explicit StuckLanes(const bool& aborted) : aborted_(aborted) {}
+  explicit StuckLanes(const std::atomic<bool>& aborted) : aborted_(aborted) {}
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   c10::Stream stream(Lane) const override { return c10::Stream(c10::Stream::DEFAULT, device()); }
   c10::Stream computeStream() const override { return stream(Lane::AllGather); }
@@ -256,36 +257,14 @@ class StuckLanes final : public Lanes {
   void recordStream(const at::Tensor&, const c10::Stream&) override {}
 
  private:
-  const bool& aborted_;
-};
-
-// A communicator that can report an asynchronous error and records its abort.
-class AbortableCommunicator final : public Communicator {
- public:
-  AbortableCommunicator(bool& aborted, std::string async_error) : aborted_(aborted), async_(std::move(async_error)) {}
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "abortable"; }
-  void beginGroup(Lane) override {}
-  void allGather(const at::Tensor&, const at::Tensor&) override {}
-  void reduceScatter(const at::Tensor&, const at::Tensor&) override {}
-  void reduce(const at::Tensor&, int) override {}
-  void allReduce(const at::Tensor&) override {}
-  CompletionPtr endGroup() override { return readyCompletion(); }
-  std::vector<int64_t> allGatherInts(const std::vector<int64_t>& values) override { return values; }
-  std::string asyncError() override { return async_; }
-  void abort() noexcept override { aborted_ = true; }
-
- private:
-  bool& aborted_;
-  std::string async_;
+  const std::atomic<bool>& aborted_;
 };
 
 std::string shutdownOfStuckRuntime(const std::string& async_error, double timeout_s, double* seconds) {
-  bool aborted = false;
+  std::atomic<bool> aborted{false};
   RuntimeConfig cfg;
   cfg.reduce_bucket_size = 4;
-  Runtime rt(std::make_unique<StuckLanes>(aborted), std::make_unique<AbortableCommunicator>(aborted, async_error), cfg);
+  Runtime rt(std::make_unique<StuckLanes>(aborted), std::make_unique<AbortFlagCommunicator>(aborted, async_error), cfg);
   const auto start = std::chrono::steady_clock::now();
   std::string error = rt.shutdown(timeout_s);
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
