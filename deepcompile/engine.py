@@ -30,6 +30,7 @@ from deepcompile.passes.tiled_mlp import TiledMLP
 from deepcompile.passes.tiling_choice import TilingChoice
 from deepcompile.parts import Moment, Part, StepOutcome, build_parts, hooks_at
 from deepcompile.precision.policy import PrecisionPolicy
+from deepcompile.zero import full_values
 from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.sequence_parallel import SequenceParallel
@@ -199,6 +200,7 @@ class Engine:
         auto = config.compile.auto_compile
         if compile_by_default if auto is None else auto:
             self.compile(config.compile.backend)
+        full_values.register(self)  # a parameter leads to its engine (deepspeed.utils.safe_get_*)
 
     def _captured_graph_passes(self) -> List[Any]:
         """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
@@ -570,6 +572,7 @@ class Engine:
             hook()
         self.compiled_module.close()
         self._compiled = None
+        full_values.unregister(self)
         self.sharding.close()
         self.sequence_parallel.close()
         runtime.cleanup()

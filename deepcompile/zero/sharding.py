@@ -141,6 +141,24 @@ class Sharding(abc.ABC):
         is, and in ZeRO-1/2 is shared by all parameters of one param group. Empty before the
         first step and for parameters the optimizer does not hold."""
 
+    def shard(self, ds_id: int) -> ParamShard:
+        """The piece ``shards()`` lists for parameter ``ds_id``."""
+        return next(s for s in self.shards() if s.ds_id == ds_id)
+
+    def has_master(self, ds_id: int) -> bool:
+        """Whether ``shard(ds_id).local`` is an fp32 master the optimizer updates (ZeRO-3 also
+        lists frozen parameters, whose piece is their shard in the parameter's dtype)."""
+        return True
+
+    @abc.abstractmethod
+    def shard_grad(self, ds_id: int) -> Optional[torch.Tensor]:
+        """This rank's piece of parameter ``ds_id``'s reduced gradient (averaged over the ranks,
+        in the dtype it was reduced in, fp16's loss scale still in it), a view lined up with
+        ``ParamShard.local``, as the optimizer step will read it: the current accumulation window's
+        sum so far. None when the window holds none for it (no backward reduced one since the last
+        step, or it got no gradient, or it is frozen). Raises :class:`GradientUnavailable` where
+        the stage keeps it where it cannot be read. Local: no collective."""
+
     @abc.abstractmethod
     def reset_optimizer_state(self, state: Dict[int, Dict[str, Any]]) -> None:
         """Replace the optimizer's state by fresh entries to be filled in place (checkpoint
@@ -180,6 +198,11 @@ class Sharding(abc.ABC):
         ``runtime.comm_bytes`` names them; the step report adds them to the runtime's counts. Empty
         by default: a stage's training collectives go through the runtime."""
         return {}
+
+
+class GradientUnavailable(RuntimeError):
+    """A parameter's reduced gradient exists but cannot be read where the stage keeps it now
+    (``Sharding.shard_grad``)."""
 
 
 class StateAccess(Protocol):

@@ -31,8 +31,8 @@ from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.zero.flat_partition import GroupPartition, build_group
 from deepcompile.zero.grad_clip import clip_grad_norm_
 from deepcompile.zero.materialize import InitFn, materialize, still_unset
-from deepcompile.zero.sharding import (ParamShard, Sharding, fresh_optimizer_state, largest_scalar,
-                                       optimizer_state_piece)
+from deepcompile.zero.sharding import (GradientUnavailable, ParamShard, Sharding, fresh_optimizer_state,
+                                       largest_scalar, optimizer_state_piece)
 
 
 class Zero12Sharding(Sharding):
@@ -229,9 +229,12 @@ class Zero12Sharding(Sharding):
             # Same storage (or offload's host copy of it); a plain tensor, writable in place.
             master = self._located(g.master.detach())
             for piece in g.pieces():
-                local = master[piece.in_partition] if piece.owned else master[:0]
-                r = piece.in_param
-                yield ParamShard(self._names[id(piece.param)], piece.ds_id, piece.param.shape, local, r.start, r.stop)
+                yield self._shard_of(piece, master)
+
+    def _shard_of(self, piece, master: torch.Tensor) -> ParamShard:
+        local = master[piece.in_partition] if piece.owned else master[:0]
+        r = piece.in_param
+        return ParamShard(self._names[id(piece.param)], piece.ds_id, piece.param.shape, local, r.start, r.stop)
 
     def shard_optimizer_state(self, ds_id: int) -> Dict[str, torch.Tensor]:
         for g in self.groups:
@@ -241,6 +244,31 @@ class Zero12Sharding(Sharding):
                 where = piece.in_partition if piece.owned else slice(0, 0)
                 return optimizer_state_piece(self.optimizer.state.get(g.master, {}), g.master, where, self._located)
         return {}
+
+    def shard(self, ds_id: int) -> ParamShard:
+        g, piece = self._piece_of(ds_id)
+        return self._shard_of(piece, self._located(g.master.detach()))
+
+    def _piece_of(self, ds_id: int):
+        """(group, OwnedPiece) of parameter ``ds_id``; the layout is fixed at init."""
+        if not hasattr(self, "_pieces"):
+            self._pieces = {piece.ds_id: (g, piece) for g in self.groups for piece in g.pieces()}
+        return self._pieces[ds_id]
+
+    def shard_grad(self, ds_id: int) -> Optional[torch.Tensor]:
+        g, piece = self._piece_of(ds_id)
+        if g.grad is None:
+            # ZeRO-1 binds the partitions at the boundary's backward only; before it, each
+            # micro-step's gradient is summed unreduced in the runtime's local accumulator.
+            if self.stage == 1 and runtime.holds_grad_target(ds_id):
+                raise GradientUnavailable(
+                    "ZeRO-1 keeps the gradients of an accumulation window's micro-steps unreduced inside deepcompile's "
+                    "runtime until the backward of the window's last micro-step reduces them; read it after that "
+                    "backward (and before step())")
+            return None  # no backward since the last step
+        if not runtime.was_reduced(ds_id):
+            return None  # no gradient reached it in this window (its zeros are not a gradient)
+        return g.grad[piece.in_partition] if piece.owned else g.grad[:0]
 
     def reset_optimizer_state(self, state: Dict[int, Dict[str, Any]]) -> None:
         # One flat master per param group, in the optimizer's group order (__init__).

@@ -19,7 +19,8 @@ from deepcompile.zero.optimizer import ShardedOptimizer
 from deepcompile.zero.materialize import InitFn, still_unset
 from deepcompile.zero.partition import ShardedParam, partition_parameters
 from deepcompile.zero.sub_groups import DEFAULT_SUB_GROUP_SIZE
-from deepcompile.zero.sharding import ParamShard, Sharding, fresh_optimizer_state, optimizer_state_piece
+from deepcompile.zero.sharding import (GradientUnavailable, ParamShard, Sharding, fresh_optimizer_state,
+                                       optimizer_state_piece)
 
 
 class Zero3Sharding(Sharding):
@@ -149,11 +150,33 @@ class Zero3Sharding(Sharding):
 
     def shards(self) -> Iterator[ParamShard]:
         for sp in self.params:
-            start, end = self._range(sp)
-            # `shard` is the storage of the master weights (and the gather source); a plain
-            # tensor, unlike the master Parameter, so the view can be written in place. Under
-            # parameter offload it may be its host copy (the runtime gathers from that one then).
-            yield ParamShard(sp.name, sp.ds_id, sp.shape, self._located(sp.shard)[: end - start], start, end)
+            yield self.shard(sp.ds_id)
+
+    def shard(self, ds_id: int) -> ParamShard:
+        sp = self.params[ds_id]
+        start, end = self._range(sp)
+        # `shard` is the storage of the master weights (and the gather source); a plain
+        # tensor, unlike the master Parameter, so the view can be written in place. Under
+        # parameter offload it may be its host copy (the runtime gathers from that one then).
+        return ParamShard(sp.name, sp.ds_id, sp.shape, self._located(sp.shard)[: end - start], start, end)
+
+    def has_master(self, ds_id: int) -> bool:
+        return self.params[ds_id].master is not None
+
+    def shard_grad(self, ds_id: int) -> Optional[torch.Tensor]:
+        sp = self.params[ds_id]
+        if sp.master is None:
+            return None
+        if self.backward_step is not None:
+            raise GradientUnavailable(
+                "compile.optimizer_step_in_backward is on: each layer's gradient partitions are consumed by its "
+                "optimizer step during the backward, so no gradient is left to read after it; turn it off to read "
+                "gradients")
+        target = runtime.grad_target(ds_id)
+        if target is None or not runtime.was_reduced(ds_id):
+            return None  # allocated at the first reduction of the window, dropped by the step
+        start, end = self._range(sp)
+        return target.view(-1)[: end - start]  # the padding past numel is not the parameter's
 
     def param_names(self) -> Dict[int, str]:
         # Names only: no view of a shard, so an offloaded one need not come back for it.

@@ -191,22 +191,29 @@ def _probe_engine_module_and_compression_helper():
     assert isinstance(model[0], torch.nn.Identity)
 
 
-def _probe_safe_full_accessors_refuse():
+def _probe_safe_accessors_need_an_engine():
     import torch
 
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                                 safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+                                 safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
 
+    # Implemented (tests/integrations/test_served_safe_get.py); a parameter of no engine is an error.
     p = torch.nn.Parameter(torch.zeros(2))
-    calls = ((safe_get_full_grad, (p,), "AdaLoRA"), (safe_get_full_fp32_param, (p,), "GatheredParameters"),
-             (safe_set_full_fp32_param, (p, torch.ones(2)), "GatheredParameters"))
-    for fn, args, advice in calls:
+    one = torch.ones(1)
+    calls = ((safe_get_full_grad, (p,)), (safe_get_full_fp32_param, (p,)), (safe_set_full_fp32_param, (p, p)),
+             (safe_get_full_optimizer_state, (p, "exp_avg")), (safe_set_full_optimizer_state, (p, p, "exp_avg")),
+             (safe_get_local_fp32_param, (p,)), (safe_get_local_grad, (p,)), (safe_set_local_fp32_param, (p, one)),
+             (safe_get_local_optimizer_state, (p, "exp_avg")), (safe_set_local_optimizer_state, (p, one, "exp_avg")))
+    for fn, args in calls:
         assert getattr(deepspeed.utils, fn.__name__) is fn
         try:
             fn(*args)
-        except NotImplementedError as e:
-            assert str(e).startswith(f"deepcompile does not implement deepspeed.utils.{fn.__name__}"), e
-            assert advice in str(e), e
+        except RuntimeError as e:
+            assert str(e).startswith(f"deepspeed.utils.{fn.__name__}: this parameter belongs to no live deepcompile "
+                                     "engine"), e
         else:
             raise AssertionError(f"{fn.__name__} returned")
 
@@ -244,7 +251,7 @@ def _probe_comm_extras():
 # In this order: the comm probe, last, is the only one to start (and end) a process group.
 _PROBES = ["_probe_deepspeed_chat_arguments_and_accelerator", "_probe_lightning_logging_and_optimizer_base",
            "_probe_checkpointing", "_probe_refused_optimizers", "_probe_engine_module_and_compression_helper",
-           "_probe_safe_full_accessors_refuse", "_probe_comm_extras"]
+           "_probe_safe_accessors_need_an_engine", "_probe_comm_extras"]
 
 
 def _run_probes(out_path: str) -> None:
@@ -313,8 +320,8 @@ def test_runtime_engine_module_and_compression_helper(outcomes):
     _check(outcomes, "_probe_engine_module_and_compression_helper")
 
 
-def test_safe_full_accessors_import_and_refuse(outcomes):
-    _check(outcomes, "_probe_safe_full_accessors_refuse")
+def test_safe_accessors_import_and_need_an_engine(outcomes):
+    _check(outcomes, "_probe_safe_accessors_need_an_engine")
 
 
 @pytest.mark.world_size(1)  # the served child is one gloo rank

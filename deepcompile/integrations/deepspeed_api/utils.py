@@ -1,7 +1,15 @@
 """``deepspeed.utils``: the logger transformers sets the level of, ZeRO-3 leaf modules, the
 ``logging`` submodule (ds_logging.py), the ``groups`` submodule (ds_groups.py: the
 sequence-parallel group accessors), the ``zero_to_fp32`` submodule (zero_to_fp32.py: the full
-fp32 weights of a checkpoint, offline), and the full-value accessors peft's AdaLoRA calls, refused."""
+fp32 weights of a checkpoint, offline), and the fp32 value accessors (peft's AdaLoRA reads
+``safe_get_full_grad``): a parameter's master weights, reduced gradient and optimizer state, in
+full or this rank's piece, read and written in the live engine that trains it
+(zero/full_values.py, which says when a gradient exists and what it holds).
+
+The ``safe_get_full_*`` readers are collectives over the data-parallel group (every rank calls
+them for the same parameter). ``safe_set_full_*`` take the full value, the same on every rank,
+and communicate nothing; ``safe_set_local_fp32_param`` is called by every rank with its own piece.
+A parameter of no live deepcompile engine is an error (DeepSpeed returns None for it)."""
 
 from __future__ import annotations
 
@@ -10,8 +18,9 @@ from typing import Any, List, Sequence
 from deepcompile.integrations.deepspeed_api import ds_groups as groups  # noqa: F401 - deepspeed.utils.groups
 from deepcompile.integrations.deepspeed_api import ds_logging as logging  # deepspeed.utils.logging
 from deepcompile.integrations.deepspeed_api import zero_to_fp32  # noqa: F401 - deepspeed.utils.zero_to_fp32
-from deepcompile.integrations.deepspeed_api._missing import module_getattr, refused
+from deepcompile.integrations.deepspeed_api._missing import module_getattr
 from deepcompile.integrations.deepspeed_api.ds_logging import log_dist, logger  # noqa: F401
+from deepcompile.zero import full_values
 
 
 def set_z3_leaf_modules(model: Any, leaf_module_classes: Sequence[Any]) -> List[Any]:
@@ -22,28 +31,78 @@ def set_z3_leaf_modules(model: Any, leaf_module_classes: Sequence[Any]) -> List[
     return set_leaf_modules(model, list(leaf_module_classes))
 
 
-# DeepSpeed's full-value accessors read a parameter's fp32 master or reduced gradient wherever its
-# stage keeps them. deepcompile's are not reachable from a parameter: ZeRO-1/2 parameters are not
-# registered anywhere the served package can find their stage, gradients between micro-steps live
-# in the runtime's buffers, and a ZeRO-3 gather gives the training dtype, not the fp32 master.
-# They are served so that the import succeeds, and refuse when called.
+def _frozen_shard(param: Any) -> bool:
+    """A parameter of a served frozen ZeRO-3 engine (a reference model: no master, no gradient)."""
+    from deepcompile.integrations.deepspeed_api.frozen_shards import shard_of
 
-def safe_get_full_grad(param: Any) -> Any:
-    raise refused("deepspeed.utils.safe_get_full_grad (gradients are reduced into partitions inside deepcompile's "
-                  "runtime, with no per-parameter full gradient to read)",
-                  "peft's AdaLoRA needs it for its importance scores: train AdaLoRA without ZeRO, or use LoRA")
+    return shard_of(param) is not None
 
 
 def safe_get_full_fp32_param(param: Any) -> Any:
-    raise refused("deepspeed.utils.safe_get_full_fp32_param",
-                  "read the full value inside deepspeed.zero.GatheredParameters([param]) (in the training "
-                  "dtype), or the fp32 weights from the engine's checkpoint")
+    """The full fp32 master value of ``param`` (its shape) on every rank; None without a master
+    (frozen). Collective."""
+    if _frozen_shard(param):
+        return None
+    return full_values.full_fp32_param(param, "deepspeed.utils.safe_get_full_fp32_param")
+
+
+def safe_get_full_grad(param: Any) -> Any:
+    """The full fp32 gradient of ``param`` averaged over the ranks, fp16's loss scale divided out,
+    on every rank: after the backward of an accumulation boundary and before ``step()`` the
+    window's gradient (ZeRO-2/3 between micro-steps: the sum so far); None where none exists.
+    Refused under ZeRO-1 between micro-steps and with compile.optimizer_step_in_backward.
+    Collective."""
+    return None if _frozen_shard(param) else full_values.full_grad(param, "deepspeed.utils.safe_get_full_grad")
+
+
+def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Any:
+    """Optimizer state ``optim_state_key`` (``exp_avg``, ``exp_avg_sq``) of ``param`` in full, fp32,
+    on every rank; None before the first step or without a master. Collective."""
+    if _frozen_shard(param):
+        return None
+    return full_values.full_optimizer_state(param, optim_state_key, "deepspeed.utils.safe_get_full_optimizer_state")
 
 
 def safe_set_full_fp32_param(param: Any, value: Any) -> None:
-    raise refused("deepspeed.utils.safe_set_full_fp32_param",
-                  "under ZeRO-3, write the value inside deepspeed.zero.GatheredParameters([param], modifier_rank=0) "
-                  "(that rank's values go into every rank's fp32 shard); ZeRO-1/2 have no equivalent")
+    """Write the full fp32 ``value`` (the same on every rank, each rank calls it) into the masters
+    and what the next forward computes with."""
+    full_values.set_full_fp32_param(param, value, "deepspeed.utils.safe_set_full_fp32_param")
+
+
+def safe_set_full_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+    """Write the full ``value`` (the same on every rank) of optimizer state ``optim_state_key``."""
+    full_values.set_full_optimizer_state(param, value, optim_state_key,
+                                         "deepspeed.utils.safe_set_full_optimizer_state")
+
+
+def safe_get_local_fp32_param(param: Any) -> Any:
+    """This rank's flat piece of the fp32 master (a copy); None without a master."""
+    if _frozen_shard(param):
+        return None
+    return full_values.local_fp32_param(param, "deepspeed.utils.safe_get_local_fp32_param")
+
+
+def safe_get_local_grad(param: Any) -> Any:
+    """This rank's flat piece of the gradient ``safe_get_full_grad`` returns, or None."""
+    return None if _frozen_shard(param) else full_values.local_grad(param, "deepspeed.utils.safe_get_local_grad")
+
+
+def safe_get_local_optimizer_state(param: Any, optim_state_key: str) -> Any:
+    """This rank's flat piece of optimizer state ``optim_state_key`` (a copy), or None."""
+    if _frozen_shard(param):
+        return None
+    return full_values.local_optimizer_state(param, optim_state_key, "deepspeed.utils.safe_get_local_optimizer_state")
+
+
+def safe_set_local_fp32_param(param: Any, value: Any) -> None:
+    """Write this rank's flat piece of the fp32 master; every rank calls it with its own piece."""
+    full_values.set_local_fp32_param(param, value, "deepspeed.utils.safe_set_local_fp32_param")
+
+
+def safe_set_local_optimizer_state(param: Any, value: Any, optim_state_key: str) -> None:
+    """Write this rank's flat piece of optimizer state ``optim_state_key``."""
+    full_values.set_local_optimizer_state(param, value, optim_state_key,
+                                          "deepspeed.utils.safe_set_local_optimizer_state")
 
 
 __getattr__ = module_getattr("deepspeed.utils")
