@@ -7,8 +7,8 @@ Gradient accumulation over two micro-steps: after the first backward ZeRO-2/3 ho
 window's gradient (the first micro-batches' share) and ZeRO-1 refuses (its micro-steps are summed
 unreduced inside the runtime); after the boundary's backward every stage holds the window's
 gradient, which ``step()`` consumes. A frozen parameter has no master, hence None. A full write
-then a forward computes with the written value; a write of optimizer state reads back. Before,
-every one of these names raised NotImplementedError."""
+then a forward computes with the written value; a write of optimizer state reads back. In fp16
+the gradient comes unscaled. Before, every one of these names raised NotImplementedError."""
 
 import pytest
 import torch
@@ -169,6 +169,28 @@ def _body(ctx):
     ref = _reference()
     for stage in (1, 2, 3):
         _train_and_check(ctx, stage, ref)
+
+    # fp16: the gradient comes without the loss scale (2 ** 8 here), in fp32.
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "initial_scale_power": 8},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "compile": {"backend": "eager"}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    xs, ys = (t.to(ctx.device) for t in _batches())
+    mine = slice(ctx.rank * MICRO, (ctx.rank + 1) * MICRO)
+    for micro in range(GAS):
+        engine.backward(torch.nn.functional.mse_loss(engine(xs[micro, mine].half()).float(), ys[micro, mine]))
+        if micro < GAS - 1:
+            engine.step()
+    for p, want in zip(list(model.parameters())[:3], ref[0]["grad"]):
+        got = deepspeed.utils.safe_get_full_grad(p)
+        assert got.dtype == torch.float32
+        # fp16 parameters and activations against the fp32 reference: about 1e-3 relative; a
+        # gradient still carrying the scale would be 256 times too large.
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-3)
+    engine.step()
+    engine.destroy()
 
     # compile.optimizer_step_in_backward consumes the gradients in the backward: refused, not None.
     model = _model()
