@@ -107,7 +107,8 @@ class Engine:
         config = config.resolve(self.world_size, model)
         self.config = config
         # Ulysses sequence parallelism (sequence_parallel/): the ranks that share each sequence.
-        self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size))
+        self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size),
+                                                  packed=config.compile.packed_sequences)
         self.sequence_parallel.check_model(model)
         self.stage = config.zero_optimization.stage
         self.module = model

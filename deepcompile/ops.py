@@ -17,9 +17,11 @@ Two namespaces:
 * ``dcmlp`` (Python, defined here): the tiled MLP (a gated MLP computed a chunk of tokens at a
   time). Schemas, fake kernels and the autograd formula live here; the kernels are handed in by
   ``passes/tiled_mlp_kernels.py`` (:func:`register_tiled_mlp_kernels`).
-* ``dcsp`` (Python, defined here): sequence parallelism's all-to-all. Schema, fake kernel and
-  autograd formula live here; the CPU/CUDA kernel reaches the process group and is handed in by
-  ``sequence_parallel/all_to_all.py`` (:func:`register_sequence_parallel_kernel`).
+* ``dcsp`` (Python, defined here): sequence parallelism's all-to-all, and for packed sequences the
+  forward's documents and attention kept inside them. Schemas, fake kernels and autograd formulas
+  live here; the kernels are handed in by ``sequence_parallel/all_to_all.py``
+  (:func:`register_sequence_parallel_kernel`), ``sequence_parallel/documents.py`` and
+  ``sequence_parallel/packed_attention.py``.
 
 Eager code calls the wrappers; graph passes insert the constants as ``call_function`` targets and
 compare node targets against them. No other module reaches ``torch.ops.dc`` or
@@ -224,6 +226,87 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, ranks: int, g
     return ALL_TO_ALL(x, scatter_dim, gather_dim, ranks, group)
 
 
+# Packed sequences (compile.packed_sequences; kernels: sequence_parallel/documents.py and
+# sequence_parallel/packed_attention.py). ``documents`` returns the forward's documents of the
+# whole sequences attended over by ``like`` (a ``[B, H, S, D]`` query after the all-to-all; it also
+# orders the op after it): ids ``[B, S]`` int32, bounds ``[B * S + 1]`` int32 and host counts ``[2]``
+# int64 (documents.py). ``packed_attention`` is causal attention kept inside each document, returning the
+# output and its log-sum-exp in a flat fp32 buffer of ``B * H * S`` (packed_attention.py).
+_SEQUENCE_PARALLEL_LIB.define("documents(Tensor like, int group) -> (Tensor, Tensor, Tensor)")
+_SEQUENCE_PARALLEL_LIB.define("packed_attention(Tensor q, Tensor k, Tensor v, Tensor ids, Tensor bounds, Tensor counts, "
+                              "float? scale) -> (Tensor, Tensor)")
+_SEQUENCE_PARALLEL_LIB.define("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                              "Tensor ids, Tensor bounds, Tensor counts, float? scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _fake_documents(like: torch.Tensor, group: int):
+    batch, length = like.shape[0], like.shape[2]
+    return (like.new_empty((batch, length), dtype=torch.int32), like.new_empty((batch * length + 1,), dtype=torch.int32),
+            torch.empty(2, dtype=torch.int64, device="cpu"))
+
+
+def _fake_attention(q, k, v, ids, bounds, counts, scale):
+    b, h, s, _ = q.shape
+    return q.new_empty((b, h, s, v.shape[-1])), q.new_empty((b * h * s,), dtype=torch.float32)
+
+
+def _fake_attention_backward(grad, q, k, v, out, lse, ids, bounds, counts, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels return
+
+
+# Fake kernels rather than Meta ones: the counts live on the host whatever the query's device.
+for _name, _fake in (("documents", _fake_documents), ("packed_attention", _fake_attention),
+                     ("packed_attention_backward", _fake_attention_backward)):
+    torch.library.register_fake(f"{SEQUENCE_PARALLEL_NAMESPACE}::{_name}", _fake, lib=_SEQUENCE_PARALLEL_LIB)
+DOCUMENTS = _dcsp.documents.default
+PACKED_ATTENTION = _dcsp.packed_attention.default
+PACKED_ATTENTION_BACKWARD = _dcsp.packed_attention_backward.default
+
+
+def _packed_attention_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, ids, bounds, counts, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], ids, bounds, counts)
+
+
+def _packed_attention_grad(ctx: Any, grad: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
+    q, k, v, out, lse, ids, bounds, counts = ctx.saved_tensors
+    gq, gk, gv = PACKED_ATTENTION_BACKWARD(grad, q, k, v, out, lse, ids, bounds, counts, ctx.scale)
+    return gq, gk, gv, None, None, None, None
+
+
+torch.library.register_autograd(f"{SEQUENCE_PARALLEL_NAMESPACE}::packed_attention", _packed_attention_grad,
+                                setup_context=_packed_attention_setup, lib=_SEQUENCE_PARALLEL_LIB)
+
+
+def register_documents_kernel(kernel: Callable) -> None:
+    """The CPU and CUDA kernel of ``dcsp::documents`` (it reads the documents the engine published)."""
+    for dispatch_key in ("CPU", "CUDA"):
+        _SEQUENCE_PARALLEL_LIB.impl("documents", kernel, dispatch_key)
+
+
+def register_packed_attention_kernels(forward: Callable, backward: Callable) -> None:
+    """The CPU and CUDA kernels of ``dcsp::packed_attention`` and its backward."""
+    for dispatch_key in ("CPU", "CUDA"):
+        _SEQUENCE_PARALLEL_LIB.impl("packed_attention", forward, dispatch_key)
+        _SEQUENCE_PARALLEL_LIB.impl("packed_attention_backward", backward, dispatch_key)
+
+
+def documents(like: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The documents (ids, bounds, host counts) published for sequence-parallel group ``group``."""
+    return DOCUMENTS(like, group)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, bounds: torch.Tensor,
+                     counts: torch.Tensor, scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention kept inside each document: the output and the flat log-sum-exp (differentiable)."""
+    return PACKED_ATTENTION(q, k, v, ids, bounds, counts, scale)
+
+
+def packed_attention_backward(grad, q, k, v, out, lse, ids, bounds, counts, scale=None):
+    """The gradients of :func:`packed_attention` for ``q``, ``k`` and ``v``."""
+    return PACKED_ATTENTION_BACKWARD(grad, q, k, v, out, lse, ids, bounds, counts, scale)
+
+
 # ---- dcloss: the tiled loss (kernels: passes/tiled_loss_kernels.py) ---------------------------
 
 _TILED_LOSS_LIB = torch.library.Library(TILED_LOSS_NAMESPACE, "DEF")
@@ -400,6 +483,12 @@ REGISTRY: Tuple[OpEntry, ...] = (
     _dcact_entry(free_after, FREE_AFTER),
     OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::all_to_all", all_to_all, {"default": ALL_TO_ALL},
             "deepcompile/ops.py, _fake_all_to_all"),
+    OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::documents", documents, {"default": DOCUMENTS},
+            "deepcompile/ops.py, _fake_documents"),
+    OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::packed_attention", packed_attention, {"default": PACKED_ATTENTION},
+            "deepcompile/ops.py, _fake_attention"),
+    OpEntry(f"{SEQUENCE_PARALLEL_NAMESPACE}::packed_attention_backward", packed_attention_backward,
+            {"default": PACKED_ATTENTION_BACKWARD}, "deepcompile/ops.py, _fake_attention_backward"),
     OpEntry(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy", linear_cross_entropy,
             {"default": LINEAR_CROSS_ENTROPY}, "deepcompile/ops.py, _fake_linear_cross_entropy"),
     OpEntry(f"{TILED_LOSS_NAMESPACE}::linear_cross_entropy_backward", linear_cross_entropy_backward,

@@ -83,6 +83,11 @@ class CompileConfig(Section):
     tiled_mlp_chunk_tokens: int = key(integer(0), 0, "Tokens per chunk of compile.tiled_mlp; 0: as many as keep one "
                                       "intermediate tensor within 256 MiB at 4 bytes an element (4681 tokens at an "
                                       "intermediate size of 14336).")
+    packed_sequences: bool = key(
+        boolean, False, "Sequence parallelism (sequence_parallel_size > 1) with packed rows: attention stays inside "
+        "each document, where position_ids restart (transformers' rule), through one attention op that also serves "
+        "unpacked batches (sequence_parallel/packed_attention.py: on CUDA flash attention's variable-length kernel, "
+        "bf16/fp16 only; on CPU a block-causal mask). false: batches with packed rows are refused.")
     offload_activation: bool = key(boolean, False, "Copy saved activations to host memory in the forward and reload "
                                    "them ahead of their use in the backward, as far as the memory budget requires "
                                    "(compiled graphs).")

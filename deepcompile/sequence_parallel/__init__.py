@@ -4,7 +4,9 @@
 * all_to_all.py: the kernel of ``dcsp::all_to_all`` (the op itself: deepcompile/ops.py);
 * attention.py: the graph pass that wraps every attention call in the all-to-alls;
 * batch.py: this rank's slice of a batch (global positions, labels shifted before slicing);
-* loss.py: the loss averaged over the whole sequence's tokens.
+* loss.py: the loss averaged over the whole sequence's tokens;
+* documents.py and packed_attention.py: packed sequences (``compile.packed_sequences``), the
+  forward's documents and attention kept inside them.
 
 :class:`SequenceParallel` is what an engine holds (``engine.sequence_parallel``): the groups, the
 key graphs reach the group by, and how many attention calls the pass rewrote.
@@ -18,7 +20,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
-from deepcompile.sequence_parallel import all_to_all
+from deepcompile.sequence_parallel import all_to_all, documents, packed_attention  # noqa: F401 - kernels
 from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
 from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
 from deepcompile.sequence_parallel.groups import SIZE_KEY, SequenceParallelGroups, build_groups, check_size
@@ -31,10 +33,13 @@ __all__ = ["SequenceParallel", "SequenceParallelError", "SequenceParallelGroups"
 class SequenceParallel:
     """One engine's sequence parallelism (``size`` 1: off, every method a no-op)."""
 
-    def __init__(self, groups: SequenceParallelGroups):
+    def __init__(self, groups: SequenceParallelGroups, packed: bool = False):
         self.groups = groups
         self.group_key = all_to_all.register_group(groups.group) if groups.enabled else 0
         self.rewritten_calls = 0  # attention calls the graph pass has rewritten so far
+        # compile.packed_sequences: attention kept inside the documents of packed rows.
+        self.packed = packed
+        self.last_documents: Optional[documents.Documents] = None  # of the last forward (packed only)
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +61,7 @@ class SequenceParallel:
         """The Ulysses pass over one captured graph (attention.py); returns the calls rewritten."""
         if not self.enabled:
             return 0
-        count = split_attention(gm, self.size, self.group_key)
+        count = split_attention(gm, self.size, self.group_key, self.packed)
         self.rewritten_calls += count
         return count
 
@@ -99,6 +104,9 @@ class SequenceParallel:
                 "each slice from 0); split batches with engine.sequence_parallel.shard(batch)")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        if self.packed:
+            self._publish_documents(positions)
+            return
         length = positions.shape[-1]
         # Per rank of the group: whether its slice is consecutive, and each row's first position.
         # Slice r must start r * length after slice 0 (contiguous, in rank order, numbered
@@ -115,7 +123,23 @@ class SequenceParallel:
                 f"sequence parallelism: rank {self.rank} of {self.size} must hold positions "
                 f"[start + {self.rank * length}, start + {(self.rank + 1) * length}) of each sequence, consecutive, "
                 "with the slices in rank order (engine.sequence_parallel.shard makes them); a slice numbered from 0 "
-                "on every rank, or packed sequences (positions restarting inside a row), are not supported")
+                "on every rank is not supported, and packed sequences (positions restarting inside a row) need "
+                "compile.packed_sequences")
+
+    def _publish_documents(self, positions: torch.Tensor) -> None:
+        """compile.packed_sequences: the whole sequences' documents, from every rank's positions,
+        for the attention op of this forward (documents.py). One all-gather of the positions and
+        one host read."""
+        whole = documents.global_positions(positions, self.group, self.size)
+        length = positions.shape[-1]
+        numbered_per_slice = torch.arange(length, device=whole.device).repeat(self.size)
+        if self.size > 1 and bool((whole == numbered_per_slice).all()):
+            raise SequenceParallelError(
+                f"sequence parallelism: every rank's slice is numbered from 0 (positions 0..{length - 1}); the "
+                "positions must be the whole sequence's (engine.sequence_parallel.shard makes them). Documents of "
+                "exactly one slice's length cannot be told from that mistake: pad one of them")
+        self.last_documents = documents.documents_of(whole)
+        documents.publish(self.group_key, self.last_documents)
 
     def shard(self, batch: Mapping[str, Any], pad_token_id: int = 0) -> Dict[str, Any]:
         """This rank's slice of a batch of whole sequences (batch.py); the batch as it is when off."""
@@ -132,5 +156,6 @@ class SequenceParallel:
 
     def close(self) -> None:
         if self.group_key:
+            documents.withdraw(self.group_key)
             all_to_all.unregister_group(self.group_key)
             self.group_key = 0

@@ -25,7 +25,10 @@ builds one from ``position_ids`` whenever no cache is used (it cannot look at th
 that the sequences are not packed). The pass drops it and attends with ``is_causal=True`` over the
 whole sequence, which is the same mask for unpacked sequences; the engine checks every batch's
 inputs for exactly that case before the forward (``SequenceParallel.check_inputs``): no padding
-``attention_mask`` and global, consecutive ``position_ids``. Packed sequences are refused there.
+``attention_mask`` and global, consecutive ``position_ids``. Packed sequences are refused there, unless ``compile.packed_sequences`` is on:
+then the pass calls ``dcsp::packed_attention`` instead of SDPA, with the forward's documents from
+``dcsp::documents`` (sequence_parallel/documents.py, packed_attention.py), which keeps attention
+inside each document of a packed row and is plain causal attention for unpacked ones.
 """
 
 from __future__ import annotations
@@ -60,9 +63,17 @@ def _shape(value: Any) -> Optional[torch.Size]:
     return example.shape if isinstance(example, torch.Tensor) else None
 
 
-def _check_call(node: Node, ranks: int) -> Dict[str, int]:
+def _check_call(node: Node, ranks: int, packed: bool = False) -> Dict[str, int]:
     """The head counts of one attention call, or SequenceParallelError saying why it cannot be split."""
     where = f"attention call {node.name!r}"
+    if packed:
+        dropout, scale = _argument(node, "dropout_p", 0.0), _argument(node, "scale")
+        if isinstance(dropout, Node) or dropout:
+            raise SequenceParallelError(f"{where} uses attention dropout ({dropout}), which compile.packed_sequences "
+                                        "does not support; set the model's attention dropout to 0")
+        if isinstance(scale, Node):
+            raise SequenceParallelError(f"{where} computes its softmax scale in the graph; compile.packed_sequences "
+                                        "needs it constant")
     mask = _argument(node, "attn_mask")
     if mask is not None and _argument(node, "is_causal", False):
         raise SequenceParallelError(f"{where} takes both a mask and is_causal=True")
@@ -116,20 +127,51 @@ def attention_calls(gm: GraphModule) -> List[Node]:
     return [n for g in _graphs(gm) for n in g.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
 
 
-def split_attention(gm: GraphModule, ranks: int, group_key: int) -> int:
+def split_attention(gm: GraphModule, ranks: int, group_key: int, packed: bool = False) -> int:
     """Make every attention call of ``gm`` and its subgraphs run over the whole sequence (see the
-    module's doc); returns how many calls were rewritten. Raises SequenceParallelError before
-    changing anything when one cannot be."""
+    module's doc); returns how many calls were rewritten. ``packed``: attention kept inside the
+    documents of packed rows (``dcsp::packed_attention``). Raises SequenceParallelError before changing
+    anything when one cannot be."""
     for node in attention_calls(gm):  # every check before the first edit
-        _check_call(node, ranks)
-    return sum(_split_in(g, ranks, group_key) for g in _graphs(gm))
+        _check_call(node, ranks, packed)
+    return sum(_split_in(g, ranks, group_key, packed) for g in _graphs(gm))
 
 
-def _split_in(gm: GraphModule, ranks: int, group_key: int) -> int:
+def _example(node: Node) -> Any:
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def _call_with_example(graph: torch.fx.Graph, target: Any, args: tuple, example: Any) -> Node:
+    node = graph.call_function(target, args)
+    if example is not None:
+        node.meta["example_value"] = example
+    return node
+
+
+def _documents_attention(graph: torch.fx.Graph, node: Node, moved: List[Node], group_key: int) -> Node:
+    """``dcsp::packed_attention`` over the moved query, key and value with the forward's documents, in
+    place of the SDPA call ``node``; returns the node of its output."""
+    import operator
+
+    q, k, v = moved
+    examples = [_example(x) for x in moved]
+    docs_example = out_example = None
+    if all(isinstance(e, torch.Tensor) for e in examples):
+        docs_example = ops._fake_documents(examples[0], group_key)
+        out_example = ops._fake_attention(*examples, *docs_example, None)
+    docs = _call_with_example(graph, ops.DOCUMENTS, (q, group_key), docs_example)
+    parts = [_call_with_example(graph, operator.getitem, (docs, i), None if docs_example is None else docs_example[i])
+             for i in range(3)]
+    scale = _argument(node, "scale")
+    attention = _call_with_example(graph, ops.PACKED_ATTENTION, (q, k, v, *parts, scale), out_example)
+    return _call_with_example(graph, operator.getitem, (attention, 0), None if out_example is None else out_example[0])
+
+
+def _split_in(gm: GraphModule, ranks: int, group_key: int, packed: bool = False) -> int:
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
     for node in calls:
-        plan = _check_call(node, ranks)
+        plan = _check_call(node, ranks, packed)
         with graph.inserting_before(node):
             moved = []
             for name in ("query", "key", "value"):
@@ -137,6 +179,13 @@ def _split_in(gm: GraphModule, ranks: int, group_key: int) -> int:
                 if name != "query" and plan["repeat"] > 1:
                     value = _repeat_heads(graph, value, plan["repeat"])
                 moved.append(_insert_all_to_all(graph, value, _HEADS, _SEQUENCE, ranks, group_key))
+        if packed:
+            with graph.inserting_before(node):
+                output = _documents_attention(graph, node, moved, group_key)
+                back = _insert_all_to_all(graph, output, _SEQUENCE, _HEADS, ranks, group_key)
+            node.replace_all_uses_with(back)
+            graph.erase_node(node)
+            continue
         args = list(node.args)
         kwargs = dict(node.kwargs)
         replaced = dict(zip(("query", "key", "value"), moved))

@@ -132,7 +132,7 @@ def train_sequence_parallel(sp: int, stage: int, optimizer: str, *, slice_loss: 
         engine.destroy()
 
 
-def _without_all_to_all(gm, ranks, group_key):
+def _without_all_to_all(gm, ranks, group_key, packed=False):
     """The broken pass: counts the attention calls, inserts nothing."""
     from deepcompile.sequence_parallel.attention import attention_calls
 
