@@ -19,7 +19,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from ulysses_case import LR, MICRO_BATCH, ROWS, SEQUENCE, ds_config, rows, tiny_llama_sdpa  # noqa: E402
+from ulysses_case import LR, MICRO_BATCH, ROWS, SEQUENCE, ds_config, positions, rows, tiny_llama_sdpa  # noqa: E402
 
 
 def parallelism_config(sp: int):
@@ -95,7 +95,7 @@ def run_trainer(args):
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
-    targs = TrainingArguments(output_dir=args.output_dir, deepspeed=ds_config(args.stage),
+    targs = TrainingArguments(output_dir=args.output_dir, deepspeed=ds_config(args.stage, args.packed),
                               parallelism_config=parallelism_config(args.sp),
                               per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=1,
                               learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant",
@@ -104,7 +104,7 @@ def run_trainer(args):
                               train_sampling_strategy="sequential")
     data = rows(args.rows)
     dataset = Dataset.from_dict({"input_ids": data.tolist(), "labels": data.tolist(),
-                                 "position_ids": [list(range(SEQUENCE))] * args.rows})
+                                 "position_ids": [positions(args.packed)] * args.rows})
     callback = Losses()
     trainer = Trainer(model=tiny_llama_sdpa(), args=targs, train_dataset=dataset, callbacks=[callback])
     trainer.train()
@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=ROWS)
     p.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
     p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--packed", action="store_true", help="trainer mode: packed rows (compile.packed_sequences)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()

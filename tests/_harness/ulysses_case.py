@@ -26,16 +26,25 @@ def rows(count: int = ROWS) -> torch.Tensor:
     return torch.randint(0, VOCAB, (count, SEQUENCE), generator=torch.Generator().manual_seed(77))
 
 
-def ds_config(stage: int) -> Dict[str, Any]:
+# Packed rows: three documents of 5, 7 and 4 tokens (positions restarting), one crossing the slices' boundary.
+PACKED_DOCUMENTS = (5, 7, 4)
+
+
+def positions(packed: bool) -> List[int]:
+    return [p for n in PACKED_DOCUMENTS for p in range(n)] if packed else list(range(SEQUENCE))
+
+
+def ds_config(stage: int, packed: bool = False) -> Dict[str, Any]:
     """fp32 (no bf16/fp16 section), no clipping, one micro-step per step, compiled with the eager
     backend (the pass is the same; Inductor would only cost time)."""
     return {"zero_optimization": {"stage": stage, "reduce_bucket_size": 256,
                                   "stage3_gather_16bit_weights_on_model_save": True},
             "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-            "compile": {"backend": "eager"}, "steps_per_print": 1000}
+            "compile": {"backend": "eager", **({"packed_sequences": True} if packed else {})}, "steps_per_print": 1000}
 
 
-def reference(count: int = ROWS, micro_batch: int = MICRO_BATCH, lr: float = LR) -> Dict[str, Any]:
+def reference(count: int = ROWS, micro_batch: int = MICRO_BATCH, lr: float = LR, packed: bool = False
+              ) -> Dict[str, Any]:
     """One process, whole sequences: one AdamW step per batch of ``micro_batch`` rows, in the data's
     order. The sequence-parallel runs train the same batches in the same order: accelerate gives
     rank r the loader's batches r, r + 2, ... and the adapter trains the group's batches in rank
@@ -46,7 +55,8 @@ def reference(count: int = ROWS, micro_batch: int = MICRO_BATCH, lr: float = LR)
     losses: List[float] = []
     for first in range(0, count, micro_batch):
         batch = data[first:first + micro_batch]
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        position_ids = torch.tensor(positions(packed)).expand_as(batch)  # packed: transformers masks by document
+        loss = model(input_ids=batch, labels=batch, position_ids=position_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
