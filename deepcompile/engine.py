@@ -25,6 +25,7 @@ from deepcompile.config import Config
 from deepcompile.faults import stop_watching, watch_ranks
 from deepcompile.memory.budget import memory_budget
 from deepcompile.offload.settings import parameter_offload_keys
+from deepcompile.passes.causal_mask import CausalMaskElision, masks_are_causal
 from deepcompile.passes.tiled_loss import TiledLoss
 from deepcompile.passes.tiled_mlp import TiledMLP
 from deepcompile.passes.tiling_choice import TilingChoice
@@ -188,6 +189,10 @@ class Engine:
             tiled.tiled_loss, self.memory_budget.bytes)) if tiled.tiled_loss else None
         self.tiled_mlp = TiledMLP(tiled.tiled_mlp_chunk_tokens, TilingChoice(
             tiled.tiled_mlp, self.memory_budget.bytes)) if tiled.tiled_mlp else None
+        # The causal mask transformers materialises in whole-model graphs, dropped where it cannot
+        # depend on the data (passes/causal_mask.py); sequence parallelism's pass drops it itself.
+        self.causal_masks = CausalMaskElision() if (
+            not self.sequence_parallel.enabled and masks_are_causal(model)) else None
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
                                               captured_graph_passes=self._captured_graph_passes())
@@ -205,9 +210,11 @@ class Engine:
 
     def _captured_graph_passes(self) -> List[Any]:
         """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
-        (sequence_parallel/), then compile.tiled_loss (passes/tiled_loss.py) and compile.tiled_mlp
-        (passes/tiled_mlp.py)."""
+        (sequence_parallel/) or the causal-mask elision (passes/causal_mask.py), then
+        compile.tiled_loss (passes/tiled_loss.py) and compile.tiled_mlp (passes/tiled_mlp.py)."""
         passes = [self.sequence_parallel.rewrite] if self.sequence_parallel.enabled else []
+        if self.causal_masks is not None:
+            passes.append(self.causal_masks.rewrite)
         for tiled in (self.tiled_loss, self.tiled_mlp):
             if tiled is not None:
                 passes.append(tiled.rewrite)

@@ -20,6 +20,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
+from deepcompile.passes.causal_mask import uses_sliding_window
 from deepcompile.sequence_parallel import all_to_all, documents, packed_attention  # noqa: F401 - kernels
 from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
 from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
@@ -75,15 +76,11 @@ class SequenceParallel:
             config = getattr(module, "config", None)
             if config is None or not hasattr(config, "to_dict"):
                 continue
-            layer_types = getattr(config, "layer_types", None) or []
-            window = getattr(config, "sliding_window", None)
-            sliding = any("sliding" in str(t) for t in layer_types) or (
-                not layer_types and window and getattr(config, "use_sliding_window", True) is not False)
-            if sliding:
+            if uses_sliding_window(config):
                 raise SequenceParallelError(
-                    f"sequence parallelism: {name or 'the model'} uses sliding-window attention (window {window}); "
-                    "the attention pass gives every token the whole causal prefix, so sliding windows are not "
-                    "supported yet. Use a model configuration without them")
+                    f"sequence parallelism: {name or 'the model'} uses sliding-window attention (window "
+                    f"{getattr(config, 'sliding_window', None)}); the attention pass gives every token the whole causal "
+                    "prefix, so sliding windows are not supported yet. Use a model configuration without them")
             return  # the outermost config speaks for the model
 
     def check_inputs(self, args: Any, kwargs: Mapping[str, Any]) -> None:
