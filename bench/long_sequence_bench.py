@@ -122,6 +122,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="deepcompile's compiler backend (default: inductor with CUDA, eager without)")
     p.add_argument("--dc-compile-set", action="append", default=[], metavar="KEY=VALUE",
                    help="merged into the dc row's compile section (repeatable), e.g. offload_activation=true")
+    p.add_argument("--dc-ones-attention-mask", action="store_true",
+                   help="dc rows on one rank: pass an all-ones attention_mask, so the causal mask transformers "
+                   "traces depends on an input and is kept (the A/B of passes/causal_mask.py)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=600, help="seconds per try")
@@ -211,6 +214,10 @@ def dc_trainer(args, device, world, tokens):
     engine.compile(backend=args.backend)
     seq = engine.sequence_parallel
     local = seq.shard({"input_ids": tokens, "labels": tokens})
+    if args.dc_ones_attention_mask:
+        if seq.enabled:
+            raise ValueError("--dc-ones-attention-mask: one rank only (sequence parallelism drops every mask)")
+        local["attention_mask"] = torch.ones_like(local["input_ids"])
 
     def step():
         out = engine(**local, use_cache=False)
@@ -357,6 +364,8 @@ def child_command(args, system: str, seq: int, out: str) -> List[str]:
     if system == "dc":
         for item in args.dc_compile_set:
             cmd += ["--dc-compile-set", item]
+        if args.dc_ones_attention_mask:
+            cmd.append("--dc-ones-attention-mask")
     return cmd
 
 

@@ -44,6 +44,7 @@ from deepcompile.compat.dynamo import (
 )
 from deepcompile.compat.fx import (
     eager_input_vals,
+    is_higher_order_op,
     is_op_overload,
     lazy_graph_module,
     mark_ops_side_effectful,
@@ -100,6 +101,7 @@ __all__ = [
     "inductor_decompositions",
     "inductor_joint_graph_passes",
     "is_incoming_gradient",
+    "is_higher_order_op",
     "is_op_overload",
     "joint_primal_inputs",
     "lazy_graph_module",

@@ -61,6 +61,12 @@ def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an FX call target is a higher-order operator (activation checkpointing's
+    ``tag_activation_checkpoint``, ``wrap``): its first argument names a subgraph."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
 def operator_namespace(target: Any) -> Optional[str]:
     """The namespace of a registered operator a node calls (``"aten"``, ``"transformers"``), as
     an overload or as its packet (Dynamo's graphs call packets); None for Python callables.

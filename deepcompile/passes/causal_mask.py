@@ -12,8 +12,9 @@ call ``is_causal=True`` without it (Inductor then drops the mask's computation, 
 * the mask's inputs are shapes and constants only, no tensor the forward was called with (no
   ``attention_mask``, no ``position_ids``: called with either, Dynamo traces another graph, whose
   mask is left alone, so padded and packed batches keep their masks);
-* the model's configuration asks for no other kind of mask (:func:`masks_are_causal`: no sliding
-  window, no chunked attention);
+* the model's attention is causal and its configuration asks for no other kind of mask
+  (:func:`masks_are_causal`: every attention module's ``is_causal``, no sliding window, no chunked
+  attention);
 * the call attends from and to the same tokens (no KV cache), without ``is_causal`` set already.
 
 Masks passed into activation-checkpointed layers (a higher-order op's subgraph) are followed to the
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from deepcompile import compat
+
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # Calls that read a tensor's shape, not its values: the traversal does not follow their tensor.
@@ -36,14 +39,19 @@ _SHAPE_READS = {"size", "dim"}
 
 
 def masks_are_causal(model: torch.nn.Module) -> bool:
-    """Whether the model's attention is plain causal attention when unpacked and unpadded (its
-    outermost configuration asks for no sliding window and no chunked attention)."""
+    """Whether the model's attention is plain causal attention when unpacked and unpadded: every
+    attention module says ``is_causal`` (transformers' flag; an encoder's is False, and an all-true
+    mask traced for it must stay bidirectional), and the outermost configuration asks for no sliding
+    window and no chunked attention."""
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if not flags or not all(flags):
+        return False  # an encoder, a mix, or nothing that says what its attention is
     for _, module in model.named_modules():
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "to_dict"):
             continue
         return not uses_sliding_window(config) and not getattr(config, "attention_chunk_size", None)
-    return False  # not a transformers model: nothing says what its mask is
+    return False
 
 
 def uses_sliding_window(config: Any) -> bool:
@@ -100,7 +108,7 @@ def _subgraph_operands(gm: GraphModule) -> Dict[str, Tuple[Node, int]]:
     name, the call, and the index of the call's argument that feeds the subgraph's first input."""
     found: Dict[str, Tuple[Node, int]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op != "call_function" or not compat.is_higher_order_op(node.target):
             continue
         if node.args and isinstance(node.args[0], Node) and node.args[0].op == "get_attr":
             found[node.args[0].target] = (node, 1)

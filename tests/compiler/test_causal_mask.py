@@ -6,7 +6,7 @@ On transformers' Llama, Qwen2 and Gemma graphs (with and without activation chec
 attention call loses its mask, and the loss and gradients equal the eager model's (which itself
 passes no mask). Left alone: a padding ``attention_mask`` and packed ``position_ids`` (the mask then
 depends on the data: padded and packed batches must keep it, and the results equal eager's with
-them), and models whose configuration asks for sliding windows. Broken on purpose: eliding a
+them), models whose configuration asks for sliding windows, and encoders (bidirectional). Broken on purpose: eliding a
 padding mask changes the loss. Through the engine (ZeRO-3, one rank): the pass runs and the
 losses equal one process.
 
@@ -121,7 +121,7 @@ def test_eliding_a_padding_mask_is_seen():
         _assert_same(got, ref)
 
 
-def test_sliding_window_models_are_not_causal():
+def test_sliding_window_and_encoder_models_are_not_causal():
     import transformers
 
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
@@ -129,6 +129,9 @@ def test_sliding_window_models_are_not_causal():
         num_key_value_heads=2, sliding_window=4))
     assert not masks_are_causal(mistral)
     assert not masks_are_causal(torch.nn.Linear(2, 2))  # nothing says what its mask is
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4, intermediate_size=48))
+    assert not masks_are_causal(bert)  # bidirectional: an all-true traced mask must stay
 
 
 def _engine_body(ctx):

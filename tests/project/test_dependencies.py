@@ -72,8 +72,9 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # Graph passes insert runtime ops and the activation-offload ops, nothing of the planners.
     "passes": ("compat", "ops", "runtime", "offload.activation_ops"),
     # Ulysses sequence parallelism: its groups, the all-to-all's kernel (ops.py holds the op) and
-    # the attention pass over the captured graph, which the compiler runs without knowing it.
-    "sequence_parallel": ("ops",),
+    # the attention pass over the captured graph, which the compiler runs without knowing it; the
+    # model-config check it shares with the causal-mask pass (sliding windows).
+    "sequence_parallel": ("ops", "passes.causal_mask"),
     # The scheduler decides plans from profiles; the backend applies them (compiler/replan.py).
     "scheduling": ("compat", "config", "memory", "ops", "runtime", "profiling"),
     "compiler": ("compat", "debug_checks", "offload", "ops", "passes", "profiling", "runtime", "scheduling",
