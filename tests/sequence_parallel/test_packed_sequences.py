@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _harness.multiproc import run_distributed
-from _harness.parity_cases import RunResult, assert_parity, global_grad_norm, make_optimizer
+from _harness.parity_cases import RunResult, assert_parity, make_optimizer
 
 SEQUENCE = 16
 BATCH = 2
@@ -125,21 +125,9 @@ def packed_batch(step: int) -> torch.Tensor:
 
 def train_reference(steps: int, optimizer: str, gas: int = 1) -> RunResult:
     """One process, whole packed rows: transformers builds the block-causal mask from the positions."""
-    from test_sequence_parallel_parity import tiny_llama_sdpa
+    import test_sequence_parallel_parity as parity
 
-    model = tiny_llama_sdpa()
-    opt = make_optimizer(model.parameters(), optimizer)
-    losses, norms = [], []
-    for step in range(steps):
-        tokens = packed_batch(step)
-        loss = model(input_ids=tokens, labels=tokens, position_ids=packed_positions(), use_cache=False).loss
-        (loss / gas).backward()
-        losses.append(loss.item())
-        if (step + 1) % gas == 0:
-            norms.append(global_grad_norm(model.parameters()))
-            opt.step()
-            opt.zero_grad()
-    return RunResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()}, norms)
+    return parity.train_reference(steps, 1, optimizer, gas=gas, batch=packed_batch, position_ids=packed_positions())
 
 
 def train_packed(stage: int, optimizer: str, *, backend: str = "eager", gas: int = 1, regional: bool = False,

@@ -66,13 +66,17 @@ def global_batch(step: int, replicas: int) -> torch.Tensor:
     return torch.randint(0, 61, (replicas * BATCH_PER_REPLICA, SEQUENCE), generator=g)
 
 
-def train_reference(steps: int, replicas: int, optimizer: str, model_name: str = "llama", gas: int = 1) -> RunResult:
+def train_reference(steps: int, replicas: int, optimizer: str, model_name: str = "llama", gas: int = 1,
+                    batch=None, position_ids=None) -> RunResult:
+    """One process on the whole sequences; ``batch(step)`` replaces the global batch, and
+    ``position_ids`` are passed with every batch (packed rows: transformers masks by document)."""
     model = tiny_model(model_name)
     opt = make_optimizer(model.parameters(), optimizer)
     losses, norms = [], []
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     for step in range(steps):
-        tokens = global_batch(step, replicas)
-        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        tokens = global_batch(step, replicas) if batch is None else batch(step)
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False, **extra).loss
         (loss / gas).backward()
         losses.append(loss.item())
         if (step + 1) % gas == 0:
