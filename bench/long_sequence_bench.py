@@ -412,6 +412,8 @@ def driver(args, argv: List[str]) -> int:
         "tries": (f"{args.nproc} rank(s) = sequence-parallel size, micro-batch 1, {args.warmup} warm-up + "
                   f"{args.steps} timed steps, {args.timeout:.0f} s limit each; backend {args.backend}"
                   + (f"; dc compile {json.dumps(args.compile_set)}" if args.compile_set else "")
+                  + ("; dc given an all-ones attention_mask (the traced causal mask kept)"
+                     if args.dc_ones_attention_mask else "")
                   + f"; lengths {','.join(map(str, args.seqs))}, {args.search} search"),
     }
     summaries: List[dict] = []
