@@ -36,6 +36,7 @@ from deepcompile.zero.eager_fallback import EAGER_GRAPH_ID
 from deepcompile.scheduling.driver import ScheduleDriver
 from deepcompile.sequence_parallel import SequenceParallel
 from deepcompile.sequence_parallel import build_groups as build_sp_groups
+from deepcompile.sequence_parallel import documents as sp_documents
 from deepcompile.scheduling.schedule import PassSchedule
 from deepcompile.step_report import StepReport
 from deepcompile.zero.materialize import InitFn, training_device
@@ -111,6 +112,10 @@ class Engine:
         self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size),
                                                   packed=config.compile.packed_sequences)
         self.sequence_parallel.check_model(model)
+        # The causal mask transformers materialises in whole-model graphs, dropped where it cannot
+        # depend on the data (passes/causal_mask.py); sequence parallelism's pass drops it itself.
+        # Before anything is allocated: it refuses compile.packed_sequences for non-causal models.
+        self.causal_masks = self._causal_mask_pass(model, config.compile.packed_sequences)
         self.stage = config.zero_optimization.stage
         self.module = model
         self.group = dist.group.WORLD
@@ -189,10 +194,6 @@ class Engine:
             tiled.tiled_loss, self.memory_budget.bytes)) if tiled.tiled_loss else None
         self.tiled_mlp = TiledMLP(tiled.tiled_mlp_chunk_tokens, TilingChoice(
             tiled.tiled_mlp, self.memory_budget.bytes)) if tiled.tiled_mlp else None
-        # The causal mask transformers materialises in whole-model graphs, dropped where it cannot
-        # depend on the data (passes/causal_mask.py); sequence parallelism's pass drops it itself.
-        self.causal_masks = CausalMaskElision() if (
-            not self.sequence_parallel.enabled and masks_are_causal(model)) else None
         self.compiled_module = CompiledModule(model, self.stage, self.sharding.ds_id_of, self.scheduler, self.rank,
                                               sharding=self.sharding, activations=self.activations,
                                               captured_graph_passes=self._captured_graph_passes())
@@ -207,6 +208,35 @@ class Engine:
         if compile_by_default if auto is None else auto:
             self.compile(config.compile.backend)
         full_values.register(self)  # a parameter leads to its engine (deepspeed.utils.safe_get_*)
+
+    def _causal_mask_pass(self, model: nn.Module, packed_sequences: bool) -> Optional[CausalMaskElision]:
+        """passes/causal_mask.py's pass, unless sequence parallelism's pass handles masks itself;
+        with compile.packed_sequences it also turns position-derived masks into the packed
+        attention op (documents published by forward(), sequence_parallel/documents.py)."""
+        if self.sequence_parallel.enabled:
+            return None
+        causal = masks_are_causal(model)
+        if packed_sequences and not causal:
+            raise ValueError("compile.packed_sequences: the model's attention is not plain causal attention (an "
+                             "encoder, sliding-window or chunked attention), which the packed attention op "
+                             "computes; turn the key off for this model")
+        if not causal:
+            return None
+        return CausalMaskElision(sp_documents.new_key() if packed_sequences else None)
+
+    def _publish_documents(self, kwargs: Any) -> None:
+        """compile.packed_sequences without sequence parallelism: this forward's documents, from its
+        position_ids (one host read), for the packed attention op. A forward without position_ids
+        traces a graph whose mask depends on shapes alone, which the pass made plain causal."""
+        key = self.causal_masks.documents_key if self.causal_masks is not None else None
+        positions = kwargs.get("position_ids")
+        if key is None or not isinstance(positions, torch.Tensor):
+            return
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        rows = next((v.shape[0] for n, v in kwargs.items() if n in ("input_ids", "inputs_embeds")
+                     and isinstance(v, torch.Tensor)), positions.shape[0])
+        sp_documents.publish(key, sp_documents.documents_of(positions.expand(rows, -1)))
 
     def _captured_graph_passes(self) -> List[Any]:
         """Rewrites of each graph as Dynamo captured it: sequence parallelism's attention pass
@@ -262,6 +292,7 @@ class Engine:
         if self._compiled is None:
             self._refuse_graph_options_uncompiled()
         self.sequence_parallel.check_inputs(args, kwargs)
+        self._publish_documents(kwargs)
         self._watch("forward")
         self._enter(moment, "forward")
         with self._first_runs("forward", self._compiled is not None):
@@ -583,6 +614,8 @@ class Engine:
         full_values.unregister(self)
         self.sharding.close()
         self.sequence_parallel.close()
+        if self.causal_masks is not None and self.causal_masks.documents_key is not None:
+            sp_documents.withdraw(self.causal_masks.documents_key)
         runtime.cleanup()
         stop_watching(self.faults)
 

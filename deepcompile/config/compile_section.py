@@ -84,10 +84,12 @@ class CompileConfig(Section):
                                       "intermediate tensor within 256 MiB at 4 bytes an element (4681 tokens at an "
                                       "intermediate size of 14336).")
     packed_sequences: bool = key(
-        boolean, False, "Sequence parallelism (sequence_parallel_size > 1) with packed rows: attention stays inside "
-        "each document, where position_ids restart (transformers' rule), through one attention op that also serves "
-        "unpacked batches (sequence_parallel/packed_attention.py: on CUDA flash attention's variable-length kernel, "
-        "bf16/fp16 only; on CPU a block-causal mask). false: batches with packed rows are refused.")
+        boolean, False, "Packed rows (position_ids restarting inside a row, transformers' rule): attention stays "
+        "inside each document through one op that also serves unpacked batches (sequence_parallel/"
+        "packed_attention.py: on CUDA flash attention's variable-length kernel, bf16/fp16 only; on CPU a "
+        "block-causal mask), instead of an S x S mask. With sequence_parallel_size > 1 packed rows are refused "
+        "without it; with 1 it replaces the mask transformers traces from position_ids in whole-model graphs "
+        "(passes/causal_mask.py). Refused for models whose attention is not plain causal.")
     offload_activation: bool = key(boolean, False, "Copy saved activations to host memory in the forward and reload "
                                    "them ahead of their use in the backward, as far as the memory budget requires "
                                    "(compiled graphs).")

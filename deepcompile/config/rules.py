@@ -192,14 +192,6 @@ def _sequence_parallel_needs_compile(c, facts) -> Optional[str]:
     return None
 
 
-def _packed_sequences_need_sequence_parallel(c, facts) -> Optional[str]:
-    if c.compile.packed_sequences and c.sequence_parallel_size == 1:
-        return ("compile.packed_sequences with sequence_parallel_size 1: the key only changes the sequence-parallel "
-                "attention pass; without sequence parallelism transformers itself keeps attention inside packed "
-                "documents (from position_ids). Remove the key, or set sequence_parallel_size > 1")
-    return None
-
-
 def _tiled_pass_needs_compile(key_name: str, what: str):
     def rule(c, facts) -> Optional[str]:
         if getattr(c.compile, key_name) and c.compile.auto_compile is False:
@@ -231,7 +223,7 @@ REFUSALS: Tuple[Rule, ...] = (
     Rule("zero_optimization.zero_hpz_partition_size", "resolve", _hpz_divides_world),
     Rule("sequence_parallel_size", "resolve", _sequence_parallel_divides_world),
     Rule("sequence_parallel_size", "parse", _sequence_parallel_needs_compile),
-    Rule("compile.packed_sequences", "parse", _packed_sequences_need_sequence_parallel),
+    Rule("compile.packed_sequences", "parse", _tiled_pass_needs_compile("packed_sequences", "packed attention")),
     Rule("compile.tiled_loss", "parse", _tiled_pass_needs_compile("tiled_loss", "tiled loss")),
     Rule("compile.tiled_mlp", "parse", _tiled_pass_needs_compile("tiled_mlp", "tiled MLP")),
 )

@@ -17,6 +17,11 @@ call ``is_causal=True`` without it (Inductor then drops the mask's computation, 
   attention);
 * the call attends from and to the same tokens (no KV cache), without ``is_causal`` set already.
 
+With ``compile.packed_sequences`` (``documents_key``), a mask that depends on the forward's
+``position_ids`` and no other input is transformers' packed-sequence mask: the call becomes
+``dcsp::packed_attention`` over the documents the engine publishes each forward
+(sequence_parallel/documents.py, packed_attention.py), so packed rows cost no ``S^2`` mask either.
+
 Masks passed into activation-checkpointed layers (a higher-order op's subgraph) are followed to the
 outer graph through the op's operands. Per-layer graphs (``regional``) see the mask as a layer input
 and are left alone; there the eager model code already passes none for unpacked batches.
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from deepcompile import compat
+from deepcompile import compat, ops
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -83,9 +88,10 @@ def _reads_shape_only(node: Node) -> bool:
         node.op == "call_function" and node.target is torch.ops.aten.sym_size.int)
 
 
-def _data_independent(node: Node) -> bool:
-    """Whether ``node``'s value follows from shapes and constants alone: no tensor placeholder is
-    reached through anything but a shape read. Symbolic sizes (non-tensor placeholders) are fine."""
+def _tensor_inputs(node: Node) -> Set[str]:
+    """The tensor placeholders ``node``'s value depends on through more than a shape read (empty:
+    it follows from shapes and constants alone; symbolic sizes, non-tensor placeholders, are fine)."""
+    found: Set[str] = set()
     seen: Set[Node] = set()
     stack = [node]
     while stack:
@@ -95,12 +101,52 @@ def _data_independent(node: Node) -> bool:
         seen.add(current)
         if current.op == "placeholder":
             if isinstance(current.meta.get("example_value"), torch.Tensor):
-                return False
+                found.add(current.name)
             continue
         if _reads_shape_only(current):
             continue
         stack.extend(current.all_input_nodes)
-    return True
+    return found
+
+
+def _data_independent(node: Node) -> bool:
+    return not _tensor_inputs(node)
+
+
+def _positions_only(node: Node) -> bool:
+    """Whether the mask depends on the forward's ``position_ids`` and nothing else of its inputs
+    (transformers' packed-sequence mask: no padding ``attention_mask``, no token types)."""
+    inputs = _tensor_inputs(node)
+    return bool(inputs) and all("position_ids" in name for name in inputs)
+
+
+def _example(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def _call_with_example(graph: torch.fx.Graph, target: Any, args: tuple, example: Any) -> Node:
+    node = graph.call_function(target, args)
+    if example is not None:
+        node.meta["example_value"] = example
+    return node
+
+
+def packed_attention_call(graph: torch.fx.Graph, scale: Any, q: Node, k: Node, v: Node, key: int) -> Node:
+    """Nodes computing ``dcsp::packed_attention`` of ``q``, ``k``, ``v`` with the documents published
+    under ``key`` (``dcsp::documents``), inserted where the graph's insertion point is; returns
+    the node of the attention's output. Shared with the sequence-parallel pass."""
+    import operator
+
+    examples = [_example(x) for x in (q, k, v)]
+    docs_example = out_example = None
+    if all(isinstance(e, torch.Tensor) for e in examples):
+        docs_example = ops._fake_documents(examples[0], key)
+        out_example = ops._fake_attention(*examples, *docs_example, None)
+    docs = _call_with_example(graph, ops.DOCUMENTS, (q, key), docs_example)
+    parts = [_call_with_example(graph, operator.getitem, (docs, i), None if docs_example is None else docs_example[i])
+             for i in range(3)]
+    attention = _call_with_example(graph, ops.PACKED_ATTENTION, (q, k, v, *parts, scale), out_example)
+    return _call_with_example(graph, operator.getitem, (attention, 0), None if out_example is None else out_example[0])
 
 
 def _subgraph_operands(gm: GraphModule) -> Dict[str, Tuple[Node, int]]:
@@ -137,42 +183,65 @@ def _same_length(node: Node) -> bool:
         shapes[1].shape[-2]
 
 
-def elide_causal_masks(gm: GraphModule) -> int:
+def _packable(node: Node) -> bool:
+    dropout, scale = _argument(node, "dropout_p", 0.0), _argument(node, "scale")
+    return not isinstance(dropout, Node) and not dropout and not isinstance(scale, Node)
+
+
+def elide_causal_masks(gm: GraphModule, documents_key: Optional[int] = None) -> Tuple[int, int]:
     """Give every attention call of ``gm`` (and of its checkpointed subgraphs) whose mask is
-    data-independent ``is_causal=True`` instead of the mask (see the module's doc); returns how
-    many calls changed. The caller decides whether the model's masks are causal at all."""
+    data-independent ``is_causal=True`` instead of the mask (see the module's doc). With
+    ``documents_key`` (``compile.packed_sequences``), a call whose mask depends on the forward's
+    ``position_ids`` alone becomes ``dcsp::packed_attention`` over the documents the engine
+    publishes under that key. Returns the calls elided and the calls made packed. The caller
+    decides whether the model's masks are causal at all."""
     operands = _subgraph_operands(gm)
     graphs: List[Tuple[Optional[str], GraphModule]] = [(None, gm)] + [
         (name, module) for name, module in gm.named_modules() if name and isinstance(module, GraphModule)]
-    changed = 0
+    elided = packed = 0
     for name, module in graphs:
         edited = False
-        for node in module.graph.nodes:
+        for node in list(module.graph.nodes):
             if node.op != "call_function" or node.target is not _SDPA:
                 continue
             mask = _argument(node, "attn_mask")
             if mask is None or _argument(node, "is_causal", False) or not _same_length(node):
                 continue
             source = _outer_source(mask, name, operands)
-            if source is None or not _data_independent(source):
+            if source is None:
                 continue
-            _set_argument(node, "attn_mask", None)
-            _set_argument(node, "is_causal", True)
+            if _data_independent(source):
+                _set_argument(node, "attn_mask", None)
+                _set_argument(node, "is_causal", True)
+                elided += 1
+            elif documents_key is not None and _positions_only(source) and _packable(node):
+                with module.graph.inserting_before(node):
+                    out = packed_attention_call(module.graph, _argument(node, "scale"),
+                                                *(_argument(node, n) for n in ("query", "key", "value")), documents_key)
+                node.replace_all_uses_with(out)
+                module.graph.erase_node(node)
+                packed += 1
+            else:
+                continue
             edited = True
-            changed += 1
         if edited:
             module.graph.lint()
             module.recompile()
-    return changed
+    return elided, packed
 
 
 class CausalMaskElision:
-    """The engine's instance of the pass (a captured-graph pass): how many calls it changed so far."""
+    """The engine's instance of the pass (a captured-graph pass): how many calls it changed so far.
+    ``documents_key``: compile.packed_sequences without sequence parallelism (the engine publishes
+    each forward's documents under it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, documents_key: Optional[int] = None) -> None:
+        self.documents_key = documents_key
         self.elided = 0
+        self.packed = 0
 
     def rewrite(self, gm: GraphModule) -> int:
-        count = elide_causal_masks(gm)
-        self.elided += count
-        return count
+        elided, packed = elide_causal_masks(gm, self.documents_key)
+        self.elided += elided
+        self.packed += packed
+        return elided + packed

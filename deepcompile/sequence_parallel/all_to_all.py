@@ -20,9 +20,14 @@ _GROUPS: Dict[int, dist.ProcessGroup] = {}
 _NEXT_KEY = itertools.count(1)
 
 
+def new_key() -> int:
+    """A key no other group or document set of this process has (graphs name both by keys)."""
+    return next(_NEXT_KEY)
+
+
 def register_group(group: dist.ProcessGroup) -> int:
     """A key under which graphs reach ``group`` (kept until :func:`unregister_group`)."""
-    key = next(_NEXT_KEY)
+    key = new_key()
     _GROUPS[key] = group
     return key
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from deepcompile import ops
+from deepcompile.passes.causal_mask import packed_attention_call
 
 _SDPA_TARGETS = (F.scaled_dot_product_attention,)  # torch._C._nn.scaled_dot_product_attention itself
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -137,36 +138,6 @@ def split_attention(gm: GraphModule, ranks: int, group_key: int, packed: bool = 
     return sum(_split_in(g, ranks, group_key, packed) for g in _graphs(gm))
 
 
-def _example(node: Node) -> Any:
-    return node.meta.get("example_value") if isinstance(node, Node) else None
-
-
-def _call_with_example(graph: torch.fx.Graph, target: Any, args: tuple, example: Any) -> Node:
-    node = graph.call_function(target, args)
-    if example is not None:
-        node.meta["example_value"] = example
-    return node
-
-
-def _documents_attention(graph: torch.fx.Graph, node: Node, moved: List[Node], group_key: int) -> Node:
-    """``dcsp::packed_attention`` over the moved query, key and value with the forward's documents, in
-    place of the SDPA call ``node``; returns the node of its output."""
-    import operator
-
-    q, k, v = moved
-    examples = [_example(x) for x in moved]
-    docs_example = out_example = None
-    if all(isinstance(e, torch.Tensor) for e in examples):
-        docs_example = ops._fake_documents(examples[0], group_key)
-        out_example = ops._fake_attention(*examples, *docs_example, None)
-    docs = _call_with_example(graph, ops.DOCUMENTS, (q, group_key), docs_example)
-    parts = [_call_with_example(graph, operator.getitem, (docs, i), None if docs_example is None else docs_example[i])
-             for i in range(3)]
-    scale = _argument(node, "scale")
-    attention = _call_with_example(graph, ops.PACKED_ATTENTION, (q, k, v, *parts, scale), out_example)
-    return _call_with_example(graph, operator.getitem, (attention, 0), None if out_example is None else out_example[0])
-
-
 def _split_in(gm: GraphModule, ranks: int, group_key: int, packed: bool = False) -> int:
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
@@ -181,7 +152,7 @@ def _split_in(gm: GraphModule, ranks: int, group_key: int, packed: bool = False)
                 moved.append(_insert_all_to_all(graph, value, _HEADS, _SEQUENCE, ranks, group_key))
         if packed:
             with graph.inserting_before(node):
-                output = _documents_attention(graph, node, moved, group_key)
+                output = packed_attention_call(graph, _argument(node, "scale"), *moved, group_key)
                 back = _insert_all_to_all(graph, output, _SEQUENCE, _HEADS, ranks, group_key)
             node.replace_all_uses_with(back)
             graph.erase_node(node)

@@ -72,6 +72,14 @@ def global_positions(positions: torch.Tensor, group: dist.ProcessGroup, size: in
     return gathered.view(size, *local.shape).permute(1, 0, 2).reshape(local.shape[0], size * local.shape[1])
 
 
+def new_key() -> int:
+    """A key for documents published without sequence parallelism (``compile.packed_sequences`` on
+    one rank of each sequence), from the same series as the groups' keys."""
+    from deepcompile.sequence_parallel.all_to_all import new_key as next_key
+
+    return next_key()
+
+
 def publish(group_key: int, documents: Documents) -> None:
     """What ``dcsp::documents`` returns for this group until the next publish (one per forward)."""
     _PUBLISHED[group_key] = documents

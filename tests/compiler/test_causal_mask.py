@@ -47,6 +47,12 @@ def _model(kind: str, checkpointing: bool = False):
     return model
 
 
+def _elided(gm):
+    elided, packed = elide_causal_masks(gm)
+    assert packed == 0  # no documents key: nothing is made packed
+    return elided
+
+
 def _loss_and_grads(model, out):
     loss = out.loss
     grads = torch.autograd.grad(loss, [p for p in model.parameters()])
@@ -77,7 +83,7 @@ def test_masks_of_unpadded_batches_become_is_causal(kind, checkpointing):
     ids = torch.randint(0, 40, (2, S), generator=torch.Generator().manual_seed(1))
     model.train()
     ref = _loss_and_grads(model, model(input_ids=ids, labels=ids, use_cache=False))
-    got, elided = _run(model, elide_causal_masks, input_ids=ids, labels=ids)
+    got, elided = _run(model, _elided, input_ids=ids, labels=ids)
     assert elided == 2  # both layers' attention
     _assert_same(got, ref)
 
@@ -98,7 +104,7 @@ def test_masks_that_depend_on_the_batch_are_kept(case):
     inputs = _padded_and_packed_inputs()[case]
     model.train()
     ref = _loss_and_grads(model, model(**inputs, use_cache=False))
-    got, elided = _run(model, elide_causal_masks, **inputs)
+    got, elided = _run(model, _elided, **inputs)
     assert elided == 0
     _assert_same(got, ref)
 
@@ -113,7 +119,7 @@ def test_eliding_a_padding_mask_is_seen():
     original = causal_mask._data_independent
     causal_mask._data_independent = lambda node: True
     try:
-        got, elided = _run(model, elide_causal_masks, **inputs)
+        got, elided = _run(model, _elided, **inputs)
     finally:
         causal_mask._data_independent = original
     assert elided == 2
@@ -163,6 +169,15 @@ def _engine_body(ctx):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     finally:
         engine.destroy()
+    # compile.packed_sequences on a model whose attention is not plain causal: refused, not ignored
+    import transformers
+
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4))
+    with pytest.raises(ValueError, match="packed_sequences: the model's attention is not plain causal"):
+        deepcompile.initialize(mistral, torch.optim.SGD(mistral.parameters(), lr=0.1),
+                               {"zero_optimization": {"stage": 3}, "compile": {"packed_sequences": True}})
 
 
 @pytest.mark.world_size(1)

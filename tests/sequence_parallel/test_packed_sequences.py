@@ -8,7 +8,9 @@ Through the engine (world size 2, gloo): a real transformers Llama trained with 
 (positions restarting inside each row, several documents, one crossing the slice boundary) against
 one process on the whole rows, where transformers itself builds the block-causal mask from the
 positions. ZeRO-3 eager, ZeRO-2 on Inductor with gradient accumulation, per-layer graphs with
-checkpointing and the step in the backward. Broken on purpose once: the documents hidden from the
+checkpointing and the step in the backward. On one rank without sequence parallelism (the causal-mask
+pass makes the position-derived mask the packed op): with checkpointing, and on Inductor. Broken on
+purpose in both: the documents hidden from the
 op (every row one document), so attention crosses document boundaries, and the comparison must
 fail. Without the key a packed batch is refused.
 
@@ -213,3 +215,52 @@ def _packed_body(ctx):
 @pytest.mark.world_size(2)
 def test_packed_rows_under_sequence_parallel_match_one_process():
     run_distributed(_packed_body, world_size=2, timeout=600)
+
+
+def train_one_rank(checkpointing: bool, backend: str = "eager") -> RunResult:
+    """compile.packed_sequences without sequence parallelism: the causal-mask pass turns the mask
+    transformers traces from position_ids into the packed attention op."""
+    import deepcompile
+    from test_sequence_parallel_parity import tiny_llama_sdpa
+
+    torch._dynamo.reset()
+    model = tiny_llama_sdpa()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters(), "sgd_momentum"),
+                                    {"zero_optimization": {"stage": 3}, "compile": {"packed_sequences": True}})
+    engine.compile(backend=backend)
+    losses, norms = [], []
+    try:
+        for step in range(STEPS):
+            tokens = packed_batch(step)
+            loss = engine(input_ids=tokens, labels=tokens, position_ids=packed_positions(), use_cache=False).loss
+            engine.backward(loss)
+            norms.append(engine.step().item())
+            losses.append(loss.item())
+        assert (engine.causal_masks.packed, engine.causal_masks.elided) == (2, 0), vars(engine.causal_masks)
+        params = {k: v.float() for k, v in engine.full_state_dict(all_ranks=True).items()}
+        return RunResult(losses, params, norms)
+    finally:
+        engine.destroy()
+
+
+def _one_rank_body(ctx):
+    ref = train_reference(STEPS, "sgd_momentum")
+    assert_parity(train_one_rank(checkpointing=True), ref, **TOL)
+    assert_parity(train_one_rank(checkpointing=False, backend="inductor"), ref, **INDUCTOR_TOL)
+    from deepcompile.sequence_parallel import documents
+
+    original = documents.documents_of
+    documents.documents_of = lambda positions: original(torch.arange(positions.shape[1]).expand_as(positions))
+    try:
+        broken = train_one_rank(checkpointing=True)
+    finally:
+        documents.documents_of = original
+    with pytest.raises(AssertionError):
+        assert_parity(broken, ref, **TOL)
+
+
+@pytest.mark.world_size(1)
+def test_packed_rows_without_sequence_parallelism_match_one_process():
+    run_distributed(_one_rank_body, world_size=1, timeout=600)
