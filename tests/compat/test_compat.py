@@ -44,6 +44,7 @@ EXPORT_CHECKS = {
     "inductor_joint_graph_passes": "test_inductor_joint_graph_passes_run_on_a_joint_graph",
     "is_incoming_gradient": "test_partition_forward_output_count_and_is_incoming_gradient",
     "is_op_overload": "test_is_op_overload_tells_operators_from_python_callables",
+    "is_higher_order_op": "test_is_higher_order_op_tells_subgraph_calls_from_operators",
     "joint_primal_inputs": "test_joint_primal_inputs_are_the_graph_inputs_in_order",
     "lazy_graph_module": "test_lazy_graph_module_generates_code_only_when_called",
     "mark_boxed": "test_mark_boxed_makes_aot_autograd_pass_one_list",
@@ -425,6 +426,27 @@ def test_register_backend_resolves_the_name_once():
 
 
 # ---- FX and operators --------------------------------------------------------------------------
+
+
+def test_is_higher_order_op_tells_subgraph_calls_from_operators():
+    """Activation checkpointing's tag_activation_checkpoint, as Dynamo captures a checkpointed call,
+    is one; aten operators and Python callables are not."""
+    import torch.utils.checkpoint
+
+    def fn(x):
+        return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(torch.ones(2))
+    torch._dynamo.reset()
+    assert any(compat.is_higher_order_op(t) for t in targets), targets
+    assert not compat.is_higher_order_op(torch.ops.aten.mm.default) and not compat.is_higher_order_op(torch.add)
 
 
 def test_is_op_overload_tells_operators_from_python_callables():
