@@ -9,7 +9,7 @@ Through the engine (world size 2, gloo): a real transformers Llama trained with 
 one process on the whole rows, where transformers itself builds the block-causal mask from the
 positions. ZeRO-3 eager, ZeRO-2 on Inductor with gradient accumulation, per-layer graphs with
 checkpointing and the step in the backward. On one rank without sequence parallelism (the causal-mask
-pass makes the position-derived mask the packed op): with checkpointing, and on Inductor. Broken on
+pass makes the position-derived mask the packed op), with checkpointing. Broken on
 purpose in both: the documents hidden from the
 op (every row one document), so attention crosses document boundaries, and the comparison must
 fail. Without the key a packed batch is refused.
@@ -247,8 +247,8 @@ def train_one_rank(checkpointing: bool, backend: str = "eager") -> RunResult:
 
 def _one_rank_body(ctx):
     ref = train_reference(STEPS, "sgd_momentum")
+    # (Inductor with the op: the SP 2 test's ZeRO-2 case)
     assert_parity(train_one_rank(checkpointing=True), ref, **TOL)
-    assert_parity(train_one_rank(checkpointing=False, backend="inductor"), ref, **INDUCTOR_TOL)
     from deepcompile.sequence_parallel import documents
 
     original = documents.documents_of
