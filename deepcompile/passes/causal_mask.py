@@ -67,12 +67,14 @@ def uses_sliding_window(config: Any) -> bool:
         not layer_types and window and getattr(config, "use_sliding_window", True) is not False)
 
 
-def _argument(node: Node, name: str, default: Any = None) -> Any:
+def sdpa_argument(node: Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a ``scaled_dot_product_attention`` call, positional or keyword."""
     index = _SDPA_ARGS.index(name)
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
-def _set_argument(node: Node, name: str, value: Any) -> None:
+def set_sdpa_argument(node: Node, name: str, value: Any) -> None:
+    """Set argument ``name`` of a ``scaled_dot_product_attention`` call where the call passes it."""
     index = _SDPA_ARGS.index(name)
     if len(node.args) > index:
         args = list(node.args)
@@ -177,14 +179,14 @@ def _outer_source(value: Any, graph_name: Optional[str], operands: Dict[str, Tup
 
 
 def _same_length(node: Node) -> bool:
-    query, key = (_argument(node, name) for name in ("query", "key"))
+    query, key = (sdpa_argument(node, name) for name in ("query", "key"))
     shapes = [n.meta.get("example_value") if isinstance(n, Node) else None for n in (query, key)]
     return all(isinstance(s, torch.Tensor) and s.dim() == 4 for s in shapes) and shapes[0].shape[-2] == \
         shapes[1].shape[-2]
 
 
 def _packable(node: Node) -> bool:
-    dropout, scale = _argument(node, "dropout_p", 0.0), _argument(node, "scale")
+    dropout, scale = sdpa_argument(node, "dropout_p", 0.0), sdpa_argument(node, "scale")
     return not isinstance(dropout, Node) and not dropout and not isinstance(scale, Node)
 
 
@@ -204,20 +206,20 @@ def elide_causal_masks(gm: GraphModule, documents_key: Optional[int] = None) -> 
         for node in list(module.graph.nodes):
             if node.op != "call_function" or node.target is not _SDPA:
                 continue
-            mask = _argument(node, "attn_mask")
-            if mask is None or _argument(node, "is_causal", False) or not _same_length(node):
+            mask = sdpa_argument(node, "attn_mask")
+            if mask is None or sdpa_argument(node, "is_causal", False) or not _same_length(node):
                 continue
             source = _outer_source(mask, name, operands)
             if source is None:
                 continue
             if _data_independent(source):
-                _set_argument(node, "attn_mask", None)
-                _set_argument(node, "is_causal", True)
+                set_sdpa_argument(node, "attn_mask", None)
+                set_sdpa_argument(node, "is_causal", True)
                 elided += 1
             elif documents_key is not None and _positions_only(source) and _packable(node):
                 with module.graph.inserting_before(node):
-                    out = packed_attention_call(module.graph, _argument(node, "scale"),
-                                                *(_argument(node, n) for n in ("query", "key", "value")), documents_key)
+                    out = packed_attention_call(module.graph, sdpa_argument(node, "scale"),
+                                                *(sdpa_argument(node, n) for n in ("query", "key", "value")), documents_key)
                 node.replace_all_uses_with(out)
                 module.graph.erase_node(node)
                 packed += 1

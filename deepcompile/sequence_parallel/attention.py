@@ -41,22 +41,14 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from deepcompile import ops
-from deepcompile.passes.causal_mask import packed_attention_call
+from deepcompile.passes.causal_mask import packed_attention_call, sdpa_argument, set_sdpa_argument
 
 _SDPA_TARGETS = (F.scaled_dot_product_attention,)  # torch._C._nn.scaled_dot_product_attention itself
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _HEADS, _SEQUENCE = 1, 2
 
 
 class SequenceParallelError(ValueError):
     """A model the Ulysses pass cannot make sequence parallel, and why."""
-
-
-def _argument(node: Node, name: str, default: Any = None) -> Any:
-    index = _SDPA_ARGS.index(name)
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def _shape(value: Any) -> Optional[torch.Size]:
@@ -68,17 +60,17 @@ def _check_call(node: Node, ranks: int, packed: bool = False) -> Dict[str, int]:
     """The head counts of one attention call, or SequenceParallelError saying why it cannot be split."""
     where = f"attention call {node.name!r}"
     if packed:
-        dropout, scale = _argument(node, "dropout_p", 0.0), _argument(node, "scale")
+        dropout, scale = sdpa_argument(node, "dropout_p", 0.0), sdpa_argument(node, "scale")
         if isinstance(dropout, Node) or dropout:
             raise SequenceParallelError(f"{where} uses attention dropout ({dropout}), which compile.packed_sequences "
                                         "does not support; set the model's attention dropout to 0")
         if isinstance(scale, Node):
             raise SequenceParallelError(f"{where} computes its softmax scale in the graph; compile.packed_sequences "
                                         "needs it constant")
-    mask = _argument(node, "attn_mask")
-    if mask is not None and _argument(node, "is_causal", False):
+    mask = sdpa_argument(node, "attn_mask")
+    if mask is not None and sdpa_argument(node, "is_causal", False):
         raise SequenceParallelError(f"{where} takes both a mask and is_causal=True")
-    shapes = [_shape(_argument(node, name)) for name in ("query", "key", "value")]
+    shapes = [_shape(sdpa_argument(node, name)) for name in ("query", "key", "value")]
     if any(s is None or len(s) != 4 for s in shapes):
         raise SequenceParallelError(f"{where}: query, key and value must be [batch, heads, sequence, head_dim] "
                                     f"tensors, got shapes {shapes}")
@@ -88,7 +80,7 @@ def _check_call(node: Node, ranks: int, packed: bool = False) -> Dict[str, int]:
                                     f"{ranks}; choose a size that divides the head count")
     repeat = 1
     if kv_heads % ranks:
-        if not _argument(node, "enable_gqa", False) and kv_heads != heads:
+        if not sdpa_argument(node, "enable_gqa", False) and kv_heads != heads:
             raise SequenceParallelError(f"{where}: {kv_heads} key/value heads for {heads} query heads without "
                                         "enable_gqa")
         common = kv_heads * ranks // math.gcd(kv_heads, ranks)
@@ -146,29 +138,22 @@ def _split_in(gm: GraphModule, ranks: int, group_key: int, packed: bool = False)
         with graph.inserting_before(node):
             moved = []
             for name in ("query", "key", "value"):
-                value = _argument(node, name)
+                value = sdpa_argument(node, name)
                 if name != "query" and plan["repeat"] > 1:
                     value = _repeat_heads(graph, value, plan["repeat"])
                 moved.append(_insert_all_to_all(graph, value, _HEADS, _SEQUENCE, ranks, group_key))
         if packed:
             with graph.inserting_before(node):
-                output = packed_attention_call(graph, _argument(node, "scale"), *moved, group_key)
+                output = packed_attention_call(graph, sdpa_argument(node, "scale"), *moved, group_key)
                 back = _insert_all_to_all(graph, output, _SEQUENCE, _HEADS, ranks, group_key)
             node.replace_all_uses_with(back)
             graph.erase_node(node)
             continue
-        args = list(node.args)
-        kwargs = dict(node.kwargs)
         replaced = dict(zip(("query", "key", "value"), moved))
         if plan["drop_mask"]:  # the local mask, replaced by causal attention over the whole sequence
             replaced.update(attn_mask=None, is_causal=True)
         for name, value in replaced.items():
-            i = _SDPA_ARGS.index(name)
-            if len(args) > i:
-                args[i] = value
-            else:
-                kwargs[name] = value
-        node.args, node.kwargs = tuple(args), kwargs
+            set_sdpa_argument(node, name, value)
         with graph.inserting_after(node):
             back = _insert_all_to_all(graph, node, _SEQUENCE, _HEADS, ranks, group_key)
         node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
