@@ -11,8 +11,10 @@ Per node the profile records
   * ``mem_bytes``: memory in use after the node: ``torch.cuda.memory_allocated()`` on GPU; on CPU
     the bytes of the distinct storages the graph holds at that point (its working set);
   * ``peak_bytes``: ``mem_bytes`` before the node plus its output bytes (the outputs exist while
-    the inputs are still alive). The allocator's own peak counter is not reset, so a user's
-    ``max_memory_allocated`` bookkeeping is left alone.
+    the inputs are still alive) plus the scratch the op is known to hold while it runs
+    (:func:`scratch_bytes`: the all-to-all's exchange buffer). The allocator's own peak counter is
+    not reset, so a user's ``max_memory_allocated`` bookkeeping is left alone; the price is that
+    an op's temporaries are seen only where they are modelled.
 
 Agreement across ranks: all numbers are reduced with MAX over the ranks at the end, so every
 rank plans from the same values and takes the same decisions.
@@ -53,6 +55,7 @@ class NodeProfile:
     target: str
     time_ms: float = 0.0
     out_bytes: int = 0
+    scratch_bytes: int = 0
     mem_bytes: int = 0
     peak_bytes: int = 0
 
@@ -85,7 +88,19 @@ def _collective_targets():
         ops.PREFETCH_PARAMS_FUSED,
         ops.REDUCE_GRAD,
         ops.END_BACKWARD,
+        ops.ALL_TO_ALL,  # sequence parallelism: a rank that failed before it must not leave the others in it
     )
+
+
+def scratch_bytes(node: Node, out_bytes: int) -> int:
+    """Bytes ``node``'s op holds while it runs beyond its inputs and outputs, which neither the
+    allocator's reading after the node nor the live values show. The all-to-all
+    (sequence_parallel/all_to_all.py) exchanges through a received buffer of its output's size,
+    alive with the send buffer first and with the output after, so its peak is its inputs plus
+    twice its output. Other ops' temporaries are not modelled."""
+    if node.op == "call_function" and node.target is ops.ALL_TO_ALL:
+        return out_bytes
+    return 0
 
 
 def issues_collective(node: Node) -> bool:
@@ -100,7 +115,7 @@ def _bytes(tensors: Sequence[torch.Tensor]) -> int:
     seen, total = set(), 0
     for t in tensors:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = compat.storage_id(t)  # not data_ptr(): a ZeRO-3 placeholder's storage refuses that
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)
@@ -126,7 +141,7 @@ class _Vote:
 
 class _TrackedEnv(dict):
     """The interpreter's node -> value map, also keeping each live value's tensor storages
-    (``storages``; only when ``track``: the CPU working set is measured from them)."""
+    (``storages``, with their keys; only when ``track``: the CPU working set is measured from them)."""
 
     def __init__(self, track: bool):
         super().__init__()
@@ -136,7 +151,7 @@ class _TrackedEnv(dict):
     def __setitem__(self, node: Node, value: Any) -> None:
         super().__setitem__(node, value)
         if self.track:
-            self.storages[node] = [t.untyped_storage() for t in _tensors(value)]
+            self.storages[node] = [(compat.storage_id(t), t.untyped_storage()) for t in _tensors(value)]
 
     def __delitem__(self, node: Node) -> None:
         super().__delitem__(node)
@@ -174,8 +189,7 @@ class GraphProfiler(Interpreter):
         # values at every node made the CPU profile quadratic in the graph's size.
         seen, total = set(), 0
         for storages in self.env.storages.values():
-            for storage in storages:
-                key = storage.data_ptr()
+            for key, storage in storages:
                 if key in seen:
                     continue
                 nbytes = storage.nbytes()
@@ -215,6 +229,7 @@ class GraphProfiler(Interpreter):
         if n.op == "call_function" and n.target is ops.REDUCE_GRAD:
             self._reduced = True
         record.out_bytes = _bytes(_tensors(result)) if n.op != "placeholder" else 0
+        record.scratch_bytes = scratch_bytes(n, record.out_bytes)
         self.profile.nodes.append(record)
         self._pending = (record, before)
         return result
@@ -245,7 +260,7 @@ class GraphProfiler(Interpreter):
         if self._pending is not None:
             record, before = self._pending
             record.mem_bytes = self._last_mem = self._memory()
-            record.peak_bytes = max(before + record.out_bytes, record.mem_bytes)
+            record.peak_bytes = max(before + record.out_bytes + record.scratch_bytes, record.mem_bytes)
             self._pending = None
 
     def _agree(self) -> None:

@@ -506,3 +506,58 @@ def test_sliding_window_models_are_refused_and_full_attention_ones_pass():
         on.check_model(LlamaForCausalLM(LlamaConfig(**small)))
     finally:
         on.close()
+
+
+# ---- the profile (and so the memory plans) sees the all-to-all ------------------------------------
+
+def _a2a_graph(ranks: int, key: int):
+    import torch.fx as fx
+
+    from deepcompile import ops
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    scaled = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    heads = g.call_function(ops.ALL_TO_ALL, (scaled, 2, 1, ranks, key))  # sequence slices to head slices
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (heads, 1.0)),))
+    return fx.GraphModule({}, g)
+
+
+def _profile_all_to_all_body(ctx, fail_on_rank):
+    from deepcompile import ops
+    from deepcompile.profiling.graph_profiler import GraphProfiler, ProfileAborted
+    from deepcompile.sequence_parallel import all_to_all as a2a_mod
+
+    key = a2a_mod.register_group(torch.distributed.group.WORLD)
+    try:
+        gm = _a2a_graph(ctx.world_size, key)
+        x = torch.randn(1, 8, 4, 16)  # [batch, seq slice, heads, dim]: 2 KiB
+        names = {n.target: n.name for n in gm.graph.nodes if n.op == "call_function"}
+        mul_name, a2a_name = names[torch.ops.aten.mul.Tensor], names[ops.ALL_TO_ALL]
+        fail_at = mul_name if ctx.rank == fail_on_rank else None
+        profiler = GraphProfiler(gm, graph_id=1, phase="forward", device=ctx.device, fail_at=fail_at)
+        if fail_on_rank is not None:
+            # A rank that failed before the all-to-all must not leave the others inside it: every
+            # rank votes before the collective and stops there.
+            with pytest.raises(ProfileAborted, match=f"stopped at node {a2a_name}"):
+                profiler.run(x)
+            return
+        (out,) = profiler.run(x)
+        assert out.shape == (1, 8 * ctx.world_size, 4 // ctx.world_size, 16)
+        records = profiler.profile.by_name()
+        a2a, before = records[a2a_name], records[mul_name]
+        nbytes = x.numel() * x.element_size()
+        assert a2a.out_bytes == nbytes and a2a.scratch_bytes == nbytes
+        # Its input, its output and the exchange buffer are alive together.
+        assert a2a.peak_bytes >= before.mem_bytes + 2 * nbytes
+        assert profiler.profile.peak_bytes >= a2a.peak_bytes
+    finally:
+        a2a_mod.unregister_group(key)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("fail_on_rank", [None, 1])
+def test_profile_counts_the_all_to_all_buffer_and_votes_before_it(fail_on_rank):
+    from _harness.multiproc import run_distributed
+
+    run_distributed(_profile_all_to_all_body, 2, args=(fail_on_rank,), timeout=120)
