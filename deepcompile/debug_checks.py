@@ -1,11 +1,12 @@
 """``compile.debug_checks``: verify, while training, the two invariants whose violation gives a
 silently wrong result rather than an error.
 
-1. **No placeholder data reaches a computation.** A ZeRO-3 parameter is a NaN placeholder outside
-   its gathers. When a graph half is compiled, every partitioned-parameter input must be read by
-   gathers only (shape queries and being saved for the backward aside); after every backward, the
-   loss and every gradient partition the runtime holds must be finite. A NaN from the placeholder
-   reaching a computation shows up in one of these.
+1. **No placeholder data reaches a computation.** A ZeRO-3 parameter is a placeholder outside
+   its gathers, whose storage refuses reads (a read raises on its own). When a graph half is
+   compiled, every partitioned-parameter input must be read by gathers only (shape queries and
+   being saved for the backward aside), so the error names the graph rather than surfacing at run
+   time; after every backward, the loss and every gradient partition the runtime holds must be
+   finite (with a torch that cannot refuse the read, the placeholder's NaN shows up there).
 2. **Every gradient is reduced exactly as often as it is produced.** A ledger counts, per
    parameter, the gradients produced in the accumulation window: one per backward run of a
    compiled graph that reduces it, one per eager reduction. At the window's optimizer step it is
@@ -97,5 +98,5 @@ def check_finite(what: str, tensors: Mapping[str, torch.Tensor]) -> None:
            and not bool(torch.isfinite(t).all())]
     if bad:
         raise DebugCheckError(f"compile.debug_checks: {what} not finite: {', '.join(bad[:10])}"
-                              f"{' ...' if len(bad) > 10 else ''}. A parameter's placeholder (NaN) reached a "
+                              f"{' ...' if len(bad) > 10 else ''}. A parameter's placeholder reached a "
                               "computation, or the model diverged.")

@@ -11,7 +11,7 @@ one, so a torch upgrade that moves something fails there, in a test named after 
   which frames Dynamo compiles;
 * ``fx``: operator schemas, recorded eager inputs, side-effect registration, pytree;
 * ``modules``: a module's own parameters and buffers; swapping a registered parameter for a gathered tensor;
-* ``tensors``: multi-tensor (foreach) kernels, storage identity;
+* ``tensors``: multi-tensor (foreach) kernels, storage identity, storages that refuse reads;
 * ``streams``: wrapping a stream the C++ runtime created as a torch stream object;
 * ``distributed``: the key-value store of the default process group.
 """
@@ -73,6 +73,7 @@ from deepcompile.compat.modules import (
 )
 from deepcompile.compat.streams import stream_from_ids
 from deepcompile.compat.tensors import (
+    forbid_data_access,
     foreach_mul_,
     foreach_norm,
     shares_storage,
@@ -92,6 +93,7 @@ __all__ = [
     "direct_buffers",
     "direct_parameters",
     "eager_input_vals",
+    "forbid_data_access",
     "foreach_mul_",
     "foreach_norm",
     "forward_inputs",

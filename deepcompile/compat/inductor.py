@@ -24,20 +24,29 @@ def inductor_decompositions() -> Dict[Any, Callable]:
     return select_decomp_table()
 
 
-def inductor_compile(gm: GraphModule, example_inputs: Sequence[Any], is_backward: bool) -> Callable:
+def inductor_compile(gm: GraphModule, example_inputs: Sequence[Any], is_backward: bool,
+                     unread_inputs: Sequence[int] = ()) -> Callable:
     """Compile one graph half with Inductor, as its own aot_autograd callbacks do.
 
+    ``unread_inputs``: positions of inputs the generated code never reads (ZeRO-3 placeholders,
+    handed only to the runtime's gathers). They are passed as Inductor's static inputs, which
+    exempts them from its per-call alignment check of GPU inputs: that check reads
+    ``data_ptr()``, which a placeholder's storage refuses.
+
     Must run inside aot_autograd's compiler callbacks (they set up the fake-tensor and tracing
-    context Inductor expects). Relies on ``torch._inductor.compile_fx.compile_fx_inner``; its
-    result is boxed (takes one argument list, which the generated code clears).
+    context Inductor expects). Relies on ``torch._inductor.compile_fx.compile_fx_inner`` and its
+    ``static_input_idxs``; its result is boxed (takes one argument list, which the generated
+    code clears).
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
-    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward, static_input_idxs=list(unread_inputs))
 
 
 
-def inductor_compiler_for_later(example_inputs: Sequence[Any], is_backward: bool) -> Callable[[GraphModule], Callable]:
+def inductor_compiler_for_later(example_inputs: Sequence[Any], is_backward: bool,
+                                unread_inputs: Callable[[GraphModule], Sequence[int]] = lambda gm: ()
+                                ) -> Callable[[GraphModule], Callable]:
     """A function that compiles a graph half with Inductor *after* aot_autograd's compiler
     callback has returned: a deferred first compile, or a re-planned graph (same inputs and
     outputs, other side-effecting ops) compiled for the same ``example_inputs``.
@@ -57,7 +66,7 @@ def inductor_compiler_for_later(example_inputs: Sequence[Any], is_backward: bool
 
     def compile_later(gm: GraphModule) -> Callable:
         with tracing(saved_tracing), compile_context(saved_compile), TracingContext.report_output_strides():
-            return inductor_compile(gm, inputs, is_backward=is_backward)
+            return inductor_compile(gm, inputs, is_backward=is_backward, unread_inputs=unread_inputs(gm))
 
     return compile_later
 

@@ -1,4 +1,5 @@
-"""Tensor-level internals: multi-tensor (foreach) kernels, storage identity."""
+"""Tensor-level internals: multi-tensor (foreach) kernels, storage identity, storages whose data
+must not be read."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], scalar) -> None:
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if ``a`` and ``b`` are views of one storage; works on fake tensors too.
-    Relies on ``torch._C._is_alias_of``."""
-    return bool(torch._C._is_alias_of(a, b))
+    """True if ``a`` and ``b`` are views of one storage; works on fake tensors too, and on
+    storages that refuse reads (ZeRO-3 placeholders: ``torch._C._is_alias_of`` compares data
+    pointers, which such a storage refuses). Relies on ``UntypedStorage._cdata`` (the StorageImpl
+    address), as :func:`storage_id`."""
+    return storage_id(a) == storage_id(b)
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -46,3 +49,13 @@ def weak_id_key_dictionary():
     from torch.utils.weak import WeakIdKeyDictionary
 
     return WeakIdKeyDictionary()
+
+
+def forbid_data_access(t: torch.Tensor, message: str) -> None:
+    """Make every access to the data of ``t``'s storage raise ``RuntimeError(message)``: a kernel
+    that reads or writes it, a copy, ``repr``, ``data_ptr()``. Metadata (shape, dtype, device,
+    strides, views, fake tensors made from it) stays usable, so Dynamo still traces the tensor.
+    The flag belongs to the storage, so every view shares it. Relies on
+    ``torch._C._set_storage_data_ptr_access_error_msg`` (what CUDA graph trees use to make reads
+    of a freed output fail), which takes the StorageImpl's address."""
+    torch._C._set_storage_data_ptr_access_error_msg(t.untyped_storage()._cdata, message)

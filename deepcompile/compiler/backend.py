@@ -277,14 +277,15 @@ class DeepCompileBackend:
     def _inner_compile(self, gm: GraphModule, inputs: List[Any], is_backward: bool):
         if self.inner == "eager":
             return compat.boxed(gm.forward)
-        return compat.inductor_compile(gm, inputs, is_backward=is_backward)
+        return compat.inductor_compile(gm, inputs, is_backward=is_backward, unread_inputs=gathered_only_inputs(gm))
 
     def _compiler_for_later(self, record: GraphRecord, inputs: List[Any], is_backward: bool,
                             graph_arg: int) -> Callable[[GraphModule], Callable]:
         if self.inner == "eager":
             inner = lambda gm: compat.boxed(gm.forward)  # noqa: E731
         else:
-            inner = compat.inductor_compiler_for_later(inputs, is_backward=is_backward)
+            inner = compat.inductor_compiler_for_later(inputs, is_backward=is_backward,
+                                                       unread_inputs=gathered_only_inputs)
 
         phase, stage = ("backward" if is_backward else "forward"), self.stage
 
@@ -293,6 +294,19 @@ class DeepCompileBackend:
             return inner(gm)
 
         return compile_later
+
+
+_GATHERS = (ops.ALLGATHER_PARAM, ops.ALLGATHER_PARAM_SLOT, ops.PREFETCH_PARAMS_FUSED, ops.PREFETCH_PARAMS_FUSED_SLOT)
+
+
+def gathered_only_inputs(gm: GraphModule) -> List[int]:
+    """Positions of the graph's inputs that only the runtime's gathers take (and the output may
+    pass on, saved for the backward): ZeRO-3 placeholders, whose storage refuses reads
+    (zero/partition.py). The generated code never reads them; the runtime gathers from its shards."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(inputs)
+            if any(u.op == "call_function" for u in n.users)
+            and all(u.op == "output" or (u.op == "call_function" and u.target in _GATHERS) for u in n.users)]
 
 
 def _running(modules: List[Any]) -> bool:

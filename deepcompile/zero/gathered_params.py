@@ -3,7 +3,7 @@
 forward (TRL's fused LM head reads ``lm_head.weight`` directly, in the forward and again in its
 backward).
 
-Outside compiled graphs a partitioned parameter's ``.data`` is a NaN placeholder of the full
+Outside compiled graphs a partitioned parameter's ``.data`` is a placeholder of the full
 shape (partition.py). Here it becomes a full copy gathered from every rank's shard; on exit the
 placeholder comes back, after, with a ``modifier_rank``, that rank's values were written into
 every rank's shard (the gather source, which is the fp32 master of a trainable parameter).
@@ -113,7 +113,7 @@ class Gathered:
                 self._write_back()
         finally:
             for p, (_, sp) in self._entered:
-                p.data = make_placeholder(sp.shape, p.dtype, p.device)
+                p.data = make_placeholder(sp.shape, p.dtype, p.device, f"ZeRO-3 parameter {sp.name!r}")
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             self._entered = []
         return False

@@ -2,10 +2,12 @@
 
 Each parameter is flattened, padded to a multiple of the world size and split: rank ``r`` keeps
 elements ``[r * ppr, (r + 1) * ppr)`` as its shard. The module keeps its Parameter objects, whose
-``.data`` becomes a *placeholder*: a one-element NaN tensor expanded to the full shape. Dynamo
-therefore traces and guards the true shape (no patches of its fake-tensor machinery), while any
-use that was not replaced by a gather produces NaNs instead of silently wrong numbers. The graph
-passes replace every use by ``dc.allgather_param``; frames Dynamo runs eagerly gather through
+``.data`` becomes a *placeholder*: a one-element tensor expanded to the full shape, whose storage
+refuses every read (``compat.forbid_data_access``). Dynamo therefore traces and guards the true
+shape (no patches of its fake-tensor machinery), while any use that was not replaced by a gather
+raises an error naming the parameter instead of computing with made-up values (DeepSpeed's
+placeholders are empty tensors: a read of one fails on a shape, or silently, by broadcasting). The
+graph passes replace every use by ``dc.allgather_param``; frames Dynamo runs eagerly gather through
 ``eager_fallback``.
 
 A trainable parameter's shard is stored in fp32: it is the optimizer's master copy and, at the
@@ -23,11 +25,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from deepcompile import compat
 from deepcompile.zero.materialize import InitFn, Materialized, materialize
 
 
-def make_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), float("nan"), dtype=dtype, device=device).expand(shape)
+def placeholder_message(what: str) -> str:
+    return (f"{what} is partitioned by ZeRO-3: outside the engine's forward its tensor is a placeholder "
+            "of the full shape that holds no values. Read it inside "
+            "deepspeed.zero.GatheredParameters(params) (deepcompile.zero.gathered_params), or use "
+            "deepspeed.utils.safe_get_full_fp32_param; its shape without a gather is param.ds_shape.")
+
+
+def make_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                     what: str = "this parameter") -> torch.Tensor:
+    """A tensor of ``shape`` over one element whose data cannot be read: any kernel, copy or print
+    of it raises :func:`placeholder_message` (``what`` names the parameter). The one element is
+    NaN (0 for integer dtypes), for a torch that cannot refuse the read."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    one = torch.full((1,), fill, dtype=dtype, device=device)
+    compat.forbid_data_access(one, placeholder_message(what))
+    return one.expand(shape)
 
 
 @dataclasses.dataclass
@@ -114,7 +131,7 @@ def partition_parameters(
             gather_dtype=gather_dtype(param),
         )
         # Frees the full tensor (the module held the only reference).
-        param.data = make_placeholder(param.shape, param.dtype, device)
+        param.data = make_placeholder(param.shape, param.dtype, device, f"ZeRO-3 parameter {name!r}")
         param.ds_id = ds_id  # lets graph passes and users identify partitioned parameters
 
     # Values come from the first rank of ``init_group`` (default ``group``): the world under

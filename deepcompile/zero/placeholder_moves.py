@@ -1,11 +1,12 @@
 """Moving or casting a ZeRO-3 model keeps each placeholder one element big.
 
-A partitioned parameter's ``.data`` is a placeholder: one NaN element expanded to the full shape
-(zero/partition.py). ``module.cpu()``, ``.to(dtype)``, ``.half()`` convert every parameter through
-``nn.Module._apply``, and converting an expanded tensor materialises it: Lightning's teardown
+A partitioned parameter's ``.data`` is a placeholder: one element expanded to the full shape, whose
+storage refuses reads (zero/partition.py). ``module.cpu()``, ``.to(dtype)``, ``.half()`` convert
+every parameter through ``nn.Module._apply``; converting a placeholder would read it (an error),
+and converting an expanded tensor of values would materialise it: Lightning's teardown
 (``module.cpu()``) used to allocate the whole model, full size, in host memory. While any ZeRO-3
-engine lives, ``_apply`` converts such a placeholder as its one element and expands the result
-again: the same conversion (device, dtype), no memory. Real values of a parameter (inside
+engine lives, ``_apply`` converts a stand-in of one element instead and builds a placeholder of
+the result's device and dtype: the same conversion, no memory, no read. Real values of a parameter (inside
 ``GatheredParameters``) are not placeholders and convert as usual.
 
 ``nn.Module._apply`` is replaced for the process while engines exist (compat/modules.py), because
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from deepcompile.compat import modules as compat_modules
+from deepcompile.zero.partition import make_placeholder
 
 _LOCK = threading.Lock()
 _USERS = 0
@@ -40,7 +42,7 @@ def _shrink(module: nn.Module) -> List[Tuple[str, torch.Size]]:
     for name, p in compat_modules.direct_parameters(module).items():
         if p is not None and getattr(p, "ds_id", None) is not None and is_placeholder(p.data):
             shrunk.append((name, p.shape))
-            p.data = p.data.as_strided((1,), (1,))
+            p.data = torch.zeros((1,), dtype=p.dtype, device=p.device)  # a readable stand-in
     return shrunk
 
 
@@ -49,7 +51,7 @@ def _expand(module: nn.Module, shrunk: List[Tuple[str, torch.Size]]) -> None:
     for name, shape in shrunk:
         p = params.get(name)  # _apply may have replaced the Parameter object
         if p is not None and p.shape != shape:
-            p.data = p.data.expand(shape)
+            p.data = make_placeholder(shape, p.dtype, p.device, f"ZeRO-3 parameter (ds_id {p.ds_id})")
 
 
 def _apply_keeping_placeholders(original):

@@ -53,7 +53,10 @@ def run_trl_worker(worker: str, tmp_path: Any, nproc: int = 2, stage: int = 3) -
     """Runs a TRL worker of tests/_harness (``--deepspeed``, ``--output-dir``, ``--out``) under
     torchrun with examples/ds_config_zero3.json compiled by the eager backend (``stage=2``: its
     zero_optimization section replaced by a ZeRO-2 one as such configs write it); returns what
-    rank 0 wrote to --out."""
+    rank 0 wrote to --out. Skips the test where the device cannot host ``nproc`` ranks (one GPU)."""
+    from _harness.multiproc import require_world_size
+
+    require_world_size(nproc)
     with open(os.path.join(EXAMPLES, "ds_config_zero3.json")) as f:
         config = json.load(f)
     config["compile"] = {"backend": "eager"}

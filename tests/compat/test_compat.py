@@ -34,6 +34,7 @@ EXPORT_CHECKS = {
     "direct_parameters": "test_direct_parameters_and_swap_parameter",
     "drop_module_compile": "test_drop_module_compile_runs_the_plain_forward_again",
     "eager_input_vals": "test_eager_input_vals_and_set_eager_input_vals_on_a_custom_op",
+    "forbid_data_access": "test_forbid_data_access_refuses_reads_of_every_view_and_keeps_metadata",
     "foreach_mul_": "test_foreach_norm_and_foreach_mul_",
     "foreach_norm": "test_foreach_norm_and_foreach_mul_",
     "forward_inputs": "test_forward_inputs_are_the_graph_inputs_in_order",
@@ -584,6 +585,23 @@ def test_shares_storage_on_real_and_fake_tensors():
         fake = mode.from_tensor(base)
         assert compat.shares_storage(fake.transpose(0, 1), fake)
         assert not compat.shares_storage(fake.clone(), fake)
+
+
+def test_forbid_data_access_refuses_reads_of_every_view_and_keeps_metadata():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    one = torch.full((1,), 2.0)
+    compat.forbid_data_access(one, "no values here")
+    placeholder = one.expand(3, 4)
+    for read in (lambda: placeholder.sum(), lambda: one.clone(), lambda: placeholder.t() @ torch.ones(3),
+                 lambda: repr(placeholder)):
+        with pytest.raises(RuntimeError, match="no values here"):
+            read()
+    assert placeholder.shape == (3, 4) and placeholder.stride() == (0, 0) and placeholder.dtype == torch.float32
+    with FakeTensorMode() as mode:  # what Dynamo makes of a parameter: shape without data
+        fake = mode.from_tensor(placeholder)
+        assert (fake @ torch.ones(4)).shape == (3,)
+    assert torch.full((1,), 2.0).sum().item() == 2.0  # other storages are unaffected
 
 
 def test_storage_id_follows_the_storage_through_views_and_resizes():

@@ -7,8 +7,8 @@ initialising them) wraps itself in ``GatheredParameters(params, modifier_rank=0)
 partitions at ``initialize``, with a layout it only knows there, so until then a *deferred*
 parameter is held this way:
 
-* its ``.data`` is a placeholder of the full shape that owns no memory (one NaN, expanded: a
-  read outside a gathered block shows NaN, an in-place write fails loudly), with DeepSpeed's
+* its ``.data`` is a placeholder of the full shape that owns no memory (one element, expanded,
+  whose storage refuses reads: a read or write outside a gathered block raises), with DeepSpeed's
   ``ds_shape``/``ds_numel``/``ds_status`` (NOT_AVAILABLE), which DeepSpeed-aware code reads;
 * its value, once it has one, is a :class:`Preset`: this rank's contiguous ``1/world`` of the
   flattened tensor, on the CPU. The values are those of the ``modifier_rank`` (rank 0 for
@@ -41,6 +41,7 @@ from torch.nn.modules.module import register_module_module_registration_hook, re
 from deepcompile import compat
 from deepcompile.zero.gathered_params import ZeroParamStatus
 from deepcompile.zero.materialize import PRESET_VALUE
+from deepcompile.zero.partition import make_placeholder
 
 # The attribute a deferred parameter carries before hand_over (its Preset, known or not).
 DEFERRED = "_dc_deferred"
@@ -105,7 +106,7 @@ class Preset:
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device).expand(shape)
+    return make_placeholder(shape, dtype, device, "a parameter built under deepspeed.zero.Init")
 
 
 def preset_of(param: torch.Tensor) -> Optional[Preset]:
@@ -178,7 +179,8 @@ class DeferredGather:
             device = p.device
             with torch.no_grad():
                 p.data = (preset.full(device) if preset.known() else
-                          _placeholder(preset.shape, preset.dtype, device).clone(memory_format=torch.contiguous_format))
+                          torch.full(preset.shape, float("nan") if preset.dtype.is_floating_point else 0,
+                                     dtype=preset.dtype, device=device))
             p.ds_status = ZeroParamStatus.AVAILABLE
             self._entered.append(p)
         return self
