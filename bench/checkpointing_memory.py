@@ -54,6 +54,7 @@ if BENCH not in sys.path:
 
 import run_deepcompile  # noqa: E402  (the deepcompile rows' runner, whose model builds are watched)
 import train_bench as tb  # noqa: E402  (puts the repository root first on sys.path, sets up deepcompile)
+from deepcompile import compat  # noqa: E402  (after train_bench: the repository's deepcompile)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -100,17 +101,17 @@ class SavedBytes:
     ``excluded`` storages (parameters) and attributing each to the decoder layer running when it
     was first saved (``layer`` is set by the caller's module hooks; None outside layers)."""
 
-    def __init__(self, excluded_ptrs=()):
-        self.excluded = set(excluded_ptrs)
+    def __init__(self, excluded_storages=()):
+        self.excluded = set(excluded_storages)
         self.seen = set()
         self.layer: Optional[int] = None
         self.by_layer: Dict[Optional[int], int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.excluded and ptr not in self.seen:
-            self.seen.add(ptr)
+        key = compat.storage_id(t)  # not data_ptr(): a ZeRO-3 placeholder's storage refuses reads
+        if key not in self.excluded and key not in self.seen:
+            self.seen.add(key)
             self.by_layer[self.layer] = self.by_layer.get(self.layer, 0) + storage.nbytes()
         # Not ``t`` itself: a tensor saved by the node that produced it would then hold that node
         # through its saved variable, a cycle through C++ that no collector frees. The eager
@@ -129,7 +130,7 @@ class SavedBytes:
 
 
 def parameter_storages(model: torch.nn.Module) -> set:
-    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return {compat.storage_id(p) for p in model.parameters()}
 
 
 @dataclasses.dataclass
@@ -165,7 +166,7 @@ def eager_activations(ctx: tb.Context) -> EagerActivations:
             for value in others:
                 for t in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(t, torch.Tensor):
-                        shared[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                        shared[compat.storage_id(t)] = t.untyped_storage().nbytes()
 
         def leave(module, args, output):
             counter.layer = None

@@ -159,6 +159,8 @@ def test_checkpointed_layer_keeps_rotary_inputs_unseen_by_saved_tensors_hooks():
 
     import checkpointing_memory as cm
 
+    from deepcompile import compat
+
     config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          intermediate_size=64, vocab_size=64, use_cache=False)
     counted = {}
@@ -172,7 +174,7 @@ def test_checkpointed_layer_keeps_rotary_inputs_unseen_by_saved_tensors_hooks():
             model.train()
         rotary = []
         model.model.layers[0].register_forward_pre_hook(
-            lambda m, a, kw: rotary.extend(t.untyped_storage().data_ptr() for t in kw["position_embeddings"]),
+            lambda m, a, kw: rotary.extend(compat.storage_id(t) for t in kw["position_embeddings"]),
             with_kwargs=True)
         counter = cm.SavedBytes(cm.parameter_storages(model))
         tokens = torch.randint(0, 64, (2, 16))
