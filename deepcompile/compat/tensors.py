@@ -55,7 +55,13 @@ def forbid_data_access(t: torch.Tensor, message: str) -> None:
     """Make every access to the data of ``t``'s storage raise ``RuntimeError(message)``: a kernel
     that reads or writes it, a copy, ``repr``, ``data_ptr()``. Metadata (shape, dtype, device,
     strides, views, fake tensors made from it) stays usable, so Dynamo still traces the tensor.
-    The flag belongs to the storage, so every view shares it. Relies on
+    The flag belongs to the storage, so every view shares it. A fake or meta tensor (one made
+    while tracing) has no data to protect and is left alone. Relies on
     ``torch._C._set_storage_data_ptr_access_error_msg`` (what CUDA graph trees use to make reads
-    of a freed output fail), which takes the StorageImpl's address."""
+    of a freed output fail), which takes the StorageImpl's address, and on
+    ``torch._subclasses.fake_tensor.is_fake``."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if t.is_meta or is_fake(t):
+        return
     torch._C._set_storage_data_ptr_access_error_msg(t.untyped_storage()._cdata, message)

@@ -55,9 +55,9 @@ class NodeProfile:
     target: str
     time_ms: float = 0.0
     out_bytes: int = 0
-    scratch_bytes: int = 0
     mem_bytes: int = 0
     peak_bytes: int = 0
+    scratch_bytes: int = 0  # last: profiles are built positionally (tests, merged instance profiles)
 
 
 @dataclasses.dataclass

@@ -93,6 +93,16 @@ class SequentialTrainer(Trainer):
         return SequentialSampler(self.train_dataset)
 
 
+def _finite_values(data) -> bool:
+    """Whether ``data`` holds values, all finite. A ZeRO-3 placeholder refuses the read: False."""
+    try:
+        return bool(torch.isfinite(data).all())
+    except RuntimeError as e:
+        if "is partitioned by ZeRO-3" not in str(e):
+            raise
+        return False
+
+
 def _probe(named_params):
     """How each parameter looks to the save before it gathers anything."""
     out = {}
@@ -103,7 +113,7 @@ def _probe(named_params):
                      "ds_status": p.ds_status.name if hasattr(p, "ds_id") else None,
                      "dc_z12": hasattr(p, "_dc_z12_id"),
                      "requires_grad": p.requires_grad,
-                     "full_finite_outside": list(data.shape) == full_shape and bool(torch.isfinite(data).all())}
+                     "full_finite_outside": list(data.shape) == full_shape and _finite_values(data)}
     return out
 
 

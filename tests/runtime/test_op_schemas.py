@@ -156,10 +156,16 @@ def test_alias_annotations():
 # ----------------------------------------------------------------------------------------------
 
 
+def readable_placeholder(shape, dtype, device) -> torch.Tensor:
+    """A placeholder's shape and layout (one element, expanded) over a storage that can be read:
+    opcheck reads every input to check that none was mutated, which a real placeholder refuses."""
+    return torch.full((1,), float("nan"), dtype=dtype, device=device).expand(shape)
+
+
 def test_opcheck_allgather_param(rt):
     full, shard, _ = _register_z3(3, (5, 3))
     # Traced calls pass the parameter's placeholder: the fake kernel takes the shape from it.
-    placeholder = make_placeholder(full.shape, full.dtype, full.device)
+    placeholder = readable_placeholder(full.shape, full.dtype, full.device)
     torch.library.opcheck(ops.allgather_param.default, (placeholder, GRAPH, 3), test_utils=OPCHECK_UTILS)
     torch.library.opcheck(
         ops.allgather_param.default, (placeholder, GRAPH, 3), {"dtype": torch.bfloat16}, test_utils=OPCHECK_UTILS
@@ -328,7 +334,7 @@ def _register_two_in_slots(rt_graph=GRAPH):
 
 def test_slot_ops_resolve_the_instance_and_slot(rt):
     graph, (full5, shard5), (full3, shard3) = _register_two_in_slots()
-    placeholder = make_placeholder(full3.shape, full3.dtype, full3.device)
+    placeholder = readable_placeholder(full3.shape, full3.dtype, full3.device)
     torch.library.opcheck(ops.allgather_param.slot, (placeholder, graph, 1), {"dtype": torch.float32},
                           test_utils=OPCHECK_UTILS)
     out = ops.wait_allgather.slot(ops.allgather_param.slot(shard3, graph, 1, dtype=torch.float32), graph, 1)
