@@ -39,8 +39,8 @@ def placeholder_message(what: str) -> str:
 def make_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device,
                      what: str = "this parameter") -> torch.Tensor:
     """A tensor of ``shape`` over one element whose data cannot be read: any kernel, copy or print
-    of it raises :func:`placeholder_message` (``what`` names the parameter). The one element is
-    NaN (0 for integer dtypes), for a torch that cannot refuse the read."""
+    of it raises :func:`placeholder_message` (``what`` names the parameter). Made while tracing
+    (fake or meta), nothing is refused; the one element is NaN there (0 for integer dtypes)."""
     fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
     one = torch.full((1,), fill, dtype=dtype, device=device)
     compat.forbid_data_access(one, placeholder_message(what))
