@@ -108,6 +108,9 @@ class Engine:
         # Fill "auto", complete the batch sizes and check what depends on the model (config.py).
         config = config.resolve(self.world_size, model)
         self.config = config
+        # transformers' hub-kernel routing wrappers (kernels package) make Dynamo run checkpointed
+        # layers eagerly, out of reach of every graph pass; where they route nothing, bypass them.
+        compat.bypass_idle_kernel_routing(model)
         # Ulysses sequence parallelism (sequence_parallel/): the ranks that share each sequence.
         self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size),
                                                   packed=config.compile.packed_sequences)

@@ -13,7 +13,9 @@ one, so a torch upgrade that moves something fails there, in a test named after 
 * ``modules``: a module's own parameters and buffers; swapping a registered parameter for a gathered tensor;
 * ``tensors``: multi-tensor (foreach) kernels, storage identity, storages that refuse reads;
 * ``streams``: wrapping a stream the C++ runtime created as a torch stream object;
-* ``distributed``: the key-value store of the default process group.
+* ``distributed``: the key-value store of the default process group;
+* ``hub_kernels``: the routing wrappers of Hugging Face's ``kernels`` package (transformers >= 5.25),
+  which keep Dynamo from tracing checkpointed layers.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from deepcompile.compat.inductor import (
     inductor_joint_graph_passes,
     protect_runtime_buffers_in_inductor,
 )
+from deepcompile.compat.hub_kernels import bypass_idle_kernel_routing, kernel_routed_modules
 from deepcompile.compat.modules import (
     direct_buffers,
     direct_parameters,
@@ -88,6 +91,7 @@ __all__ = [
     "TORCH_VERSION",
     "aot_backend",
     "boxed",
+    "bypass_idle_kernel_routing",
     "compiled_output_strides",
     "default_store",
     "direct_buffers",
@@ -106,6 +110,7 @@ __all__ = [
     "is_higher_order_op",
     "is_op_overload",
     "joint_primal_inputs",
+    "kernel_routed_modules",
     "lazy_graph_module",
     "mark_boxed",
     "mark_must_recompute",
