@@ -160,6 +160,23 @@ def inductor_joint_graph_passes(joint: GraphModule, joint_inputs) -> GraphModule
     if "input_device" in accepted and hasattr(compile_fx, "get_inputs_devices"):
         kwargs["input_device"] = compile_fx.get_inputs_devices(joint_inputs, joint)[0]
     device_context = getattr(compile_fx, "get_cuda_device_context", lambda gm: contextlib.nullcontext())
-    with device_context(joint):
+    with device_context(joint), _fake_mode_of(joint_inputs):
         out = run(joint, **kwargs)
     return joint if out is None else out
+
+
+def _fake_mode_of(joint_inputs):
+    """Inductor's virtualized fake mode, set to the joint inputs' own while its joint passes run.
+
+    Inductor's own partition function runs inside ``V.set_fake_mode`` (compile_fx sets it around
+    aot_autograd); the backend calls aot_autograd itself, outside it. Passes that create values
+    read it: the random-op rewrite (``replace_random_passes``: dropout, ``rand_like``,
+    ``bernoulli``) builds its seed tensor under ``V.fake_mode`` and failed without one. Relies on
+    ``torch._inductor.virtualized`` (``V``, ``NullHandler``) and ``torch._guards.detect_fake_mode``."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import NullHandler, V
+
+    fake_mode = detect_fake_mode(joint_inputs)
+    if fake_mode is None or not isinstance(V.fake_mode, NullHandler):
+        return contextlib.nullcontext()  # none to set, or already set by the caller
+    return V.set_fake_mode(fake_mode)
