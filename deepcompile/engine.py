@@ -351,6 +351,12 @@ class Engine:
         try:
             with self._first_runs("backward", self._compiled is not None):
                 scaled = self.loss_scaler.scale_loss(loss)
+                # Under sequence parallelism, a loss that is this rank's share of the global one
+                # (transformers >= 5.25) is summed over the group, one combined through a
+                # differentiable gather is averaged (sequence_parallel/loss.py).
+                factor = self.sequence_parallel.gradient_factor(loss)
+                if factor != 1:
+                    scaled = scaled * factor
                 if scale_wrt_gas:
                     scaled = scaled / self.gradient_accumulation_steps
                 scaled.backward()

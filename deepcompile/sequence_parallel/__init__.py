@@ -25,7 +25,7 @@ from deepcompile.sequence_parallel import all_to_all, documents, packed_attentio
 from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
 from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
 from deepcompile.sequence_parallel.groups import SIZE_KEY, SequenceParallelGroups, build_groups, check_size
-from deepcompile.sequence_parallel.loss import global_token_mean
+from deepcompile.sequence_parallel.loss import global_token_mean, gradient_factor
 
 __all__ = ["SequenceParallel", "SequenceParallelError", "SequenceParallelGroups", "shard_batch", "shift_labels",
            "global_token_mean", "build_groups", "check_size", "SIZE_KEY"]
@@ -150,6 +150,12 @@ class SequenceParallel:
         if shift_labels is None:
             raise ValueError("sequence parallelism: loss() needs the slice's shift_labels (from shard())")
         return global_token_mean(loss, shift_labels, self.group)
+
+    def gradient_factor(self, loss: torch.Tensor) -> int:
+        """The multiplier of this rank's loss before its backward (loss.py): 1 for a loss every
+        rank holds whole (combined through a differentiable collective), the group's size for
+        this rank's share of it; 1 when off."""
+        return gradient_factor(loss, self.size) if self.enabled else 1
 
     def close(self) -> None:
         if self.group_key:

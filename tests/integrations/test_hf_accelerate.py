@@ -134,7 +134,7 @@ def test_served_deepspeed_names_what_it_does_not_implement():
         "try:\n    deepspeed.init_inference\nexcept AttributeError as e:\n    print('attr:', e)\n"
         "try:\n    import deepspeed.moe.layer\nexcept ImportError as e:\n    print('module:', e)\n")
     assert proc.returncode == 0, proc.stderr
-    assert "version 0.19.8+deepcompile" in proc.stdout
+    assert "version 0.20.2+deepcompile" in proc.stdout
     assert "accelerate sees True" in proc.stdout
     assert "attr: deepcompile does not implement deepspeed.init_inference" in proc.stdout
     assert "module: deepcompile does not implement the module deepspeed.moe" in proc.stdout

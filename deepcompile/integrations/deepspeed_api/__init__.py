@@ -22,8 +22,13 @@ from deepcompile.integrations.deepspeed_api.engine import BoundaryEngine, DeepSp
 from deepcompile.integrations.deepspeed_api.training_data import data_loader as training_data_loader
 
 # The DeepSpeed release whose interface this follows (transformers and accelerate gate features
-# on it); the local label says who implements it.
-DEEPSPEED_API_VERSION = "0.19.8"
+# on it); the local label says who implements it. 0.20.2, not older: transformers >= 5.25 builds
+# its sequence-parallel loss for how DeepSpeed reduces gradients from that release on (summed over
+# the sequence-parallel group at every stage) and rescales it at ZeRO-3 for older releases; the
+# engine sums such a loss over the group at every stage (sequence_parallel/loss.py), so an older
+# number would scale ZeRO-3's gradients by the group's size. No other version branch of
+# transformers, accelerate, TRL, PEFT or Lightning lies between 0.19.8 and 0.20.2.
+DEEPSPEED_API_VERSION = "0.20.2"
 __version__ = DEEPSPEED_API_VERSION + "+deepcompile"
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
 
