@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from deepcompile.config import inert
@@ -29,6 +30,14 @@ def _lrs(value: Any, dotted: str):
             raise ValueError(f"{dotted} must be a number or a non-empty list of numbers")
         return tuple(number(0.0)(v, f"{dotted}[{i}]") for i, v in enumerate(value))
     return number(0.0)(value, dotted)
+
+
+def _finite(value: Any, dotted: str) -> float:
+    """Any finite number (DeepSpeed takes any float where the learning rate it gives cannot turn
+    negative)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{dotted} must be a finite number, got {show(value)}")
+    return float(value)
 
 
 class Param:
@@ -72,8 +81,11 @@ _STEPS_NO_AUTO = "it is the training length, which HF Trainer computes from the 
                  "the config over"
 _WARMUP_NO_AUTO = "HF Trainer fills it from TrainingArguments.warmup_steps / warmup_ratio"
 _WARMUP_COMMON = {
-    "warmup_num_steps": Param(integer(1), 1000, "Warm-up length in optimizer steps (values below 2 act as 2, as "
-                                                "in DeepSpeed).", no_auto=_WARMUP_NO_AUTO),
+    # 0: what HF Trainer and accelerate (a DummyScheduler) hand over without warm-up, up to the
+    # releases that fill at least 1 for DeepSpeed 0.19.3+, which refuses 0 (transformers 5.25,
+    # accelerate 1.16 do); earlier DeepSpeed read it as 2 (docs/migrating-from-deepspeed.md).
+    "warmup_num_steps": Param(integer(0), 1000, "Warm-up length in optimizer steps; values below 2 (0 included) "
+                                                "act as 2, as in DeepSpeed.", no_auto=_WARMUP_NO_AUTO),
     "warmup_type": Param(choice("log", "linear"), "log", "Shape of the warm-up: \"log\" or \"linear\"."),
     "last_batch_iteration": _fixed_param("scheduler.params.last_batch_iteration"),
 }
@@ -93,10 +105,11 @@ SCHEDULER_TYPES: Dict[str, Dict[str, Param]] = {
                       "total_num_steps": _TOTAL},
     "WarmupCosineLR": {
         "total_num_steps": _TOTAL,
-        "warmup_min_ratio": Param(number(0.0, 1.0), 0.0, "Start of the warm-up as a fraction of the optimizer's "
-                                                         "learning rate."),
-        "cos_min_ratio": Param(number(0.0, 1.0), 1e-4, "End of the cosine decay as a fraction of the optimizer's "
-                                                       "learning rate."),
+        "warmup_min_ratio": Param(number(0.0), 0.0, "Start of the warm-up as a fraction of the optimizer's "
+                                                    "learning rate (above 1: the warm-up descends from it)."),
+        "cos_min_ratio": Param(_finite, 1e-4, "End of the cosine decay as a fraction of the optimizer's learning "
+                                              "rate (below 0: the rate reaches 0 before the end and stays there; "
+                                              "above 1: it rises to it, as in DeepSpeed)."),
         **_WARMUP_COMMON,
     },
 }

@@ -41,6 +41,8 @@ class Config(Section):
     """The whole configuration. Build it with :meth:`from_any` / :meth:`from_dict`."""
 
     _aliases = {"bfloat16": "bf16"}
+    # DeepSpeed reads "bfloat16" (its old name) only when "bf16" is absent or null.
+    _key_wins = frozenset({"bf16"})
 
     zero_optimization: ZeroConfig = key(section(ZeroConfig), factory=ZeroConfig,
                                         doc="ZeRO settings; 'stage' is required.")

@@ -10,7 +10,8 @@ problem of a section is reported at once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+import warnings
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from deepcompile.config import inert
 from deepcompile.config.errors import ConfigError, is_auto, show
@@ -61,6 +62,11 @@ class Section:
 
     _path = ""  # dotted path of the section in the JSON config; "" for the top level
     _aliases: Dict[str, str] = {}  # DeepSpeed's alternative spellings: alias -> key
+    # Keys whose own spelling, when given (not null), is the one read, its aliases then being
+    # ignored with a warning: DeepSpeed reads such a key and looks at the old name only without it
+    # (``bf16`` before ``bfloat16``). Every other alias is a second name of the same field, whose
+    # spellings must agree (see from_dict).
+    _key_wins: FrozenSet[str] = frozenset()
 
     def __post_init__(self) -> None:
         problems: List[Tuple[str, str]] = []
@@ -98,22 +104,25 @@ class Section:
         names = [f.name for f in dataclasses.fields(cls)]
         problems: List[Tuple[str, str]] = []
         kwargs: Dict[str, Any] = {}
-        spelled: Dict[str, str] = {}  # key -> the spelling that gave it
         prefix = f"{cls._path}." if cls._path else ""
+        given: Dict[str, List[Tuple[str, Any]]] = {}  # key -> (spelling, value) in the order written
         for k, v in d.items():
             target = cls._aliases.get(k, k) if isinstance(k, str) else k
-            where = f"{prefix}{k}"
             if target not in names:
-                problems.append((where, unknown_key(k, names, cls._path)))
-            elif target in kwargs:
-                # DeepSpeed accepts either spelling; both with one value is harmless, two values
-                # leave it unclear which one the user meant.
-                if kwargs[target] != v:
-                    problems.append((where, f"{where} and {prefix}{spelled[target]} name the same setting "
-                                            f"({prefix}{target}) with different values ({show(v)} and "
-                                            f"{show(kwargs[target])}); keep one"))
+                problems.append((f"{prefix}{k}", unknown_key(k, names, cls._path)))
             else:
-                kwargs[target], spelled[target] = v, k
+                given.setdefault(target, []).append((k, v))
+        for target, spellings in given.items():
+            spellings = cls._read_spellings(target, spellings, prefix)
+            (first, value), rest = spellings[0], spellings[1:]
+            for k, v in rest:
+                # DeepSpeed refuses a second spelling whatever its value; one value under two
+                # names is accepted here (nothing is ambiguous), two values are not.
+                if v != value:
+                    problems.append((f"{prefix}{k}", f"{prefix}{k} and {prefix}{first} name the same setting "
+                                                     f"({prefix}{target}) with different values ({show(v)} and "
+                                                     f"{show(value)}); keep one"))
+            kwargs[target] = value
         try:
             obj = cls(**kwargs)
         except ConfigError as e:
@@ -121,6 +130,26 @@ class Section:
         if problems:
             raise ConfigError(problems)
         return obj
+
+    @classmethod
+    def _read_spellings(cls, target: str, spellings: List[Tuple[str, Any]], prefix: str) -> List[Tuple[str, Any]]:
+        """The spellings of ``target`` that count, as DeepSpeed reads them: for a key in
+        ``_key_wins``, its own spelling alone when given (not null); otherwise every spelling but
+        those holding ``"auto"`` when another holds a value (DeepSpeed drops ``"auto"`` values
+        before reading a section, so the other spelling's value stands)."""
+        if len(spellings) == 1:
+            return spellings
+        if target in cls._key_wins:
+            own = [(k, v) for k, v in spellings if k == target and v is not None]
+            if own:
+                for k, v in spellings:
+                    if k != target and v != own[0][1]:
+                        warnings.warn(f"{prefix}{k} is ignored: {prefix}{target} is given too, and DeepSpeed reads "
+                                      f"{prefix}{k} only without it")
+                return own
+            spellings = [(k, v) for k, v in spellings if k != target]  # null: as if absent
+        concrete = [(k, v) for k, v in spellings if not is_auto(v)]
+        return concrete or spellings
 
     def to_dict(self) -> Dict[str, Any]:
         return {

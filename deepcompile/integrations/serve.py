@@ -53,6 +53,8 @@ _MODULES: Dict[str, str] = {
     "deepspeed.ops.adam": _PACKAGE + ".ops.adam",
     "deepspeed.ops.adagrad": _PACKAGE + ".ops.adagrad",
     "deepspeed.ops.lamb": _PACKAGE + ".ops.lamb",
+    "deepspeed.ops.aio": _PACKAGE + ".ops.aio",
+    "deepspeed.ops.op_builder": _PACKAGE + ".ops.op_builder",
     "deepspeed.launcher": _PACKAGE + ".launcher",
     "deepspeed.launcher.runner": _PACKAGE + ".launcher.runner",
 }

@@ -594,11 +594,14 @@ def test_deepspeed_aliases():
                          "bfloat16": {"enabled": True}})
     assert c.bf16.enabled is True
     assert c.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
-    # Both spellings with one value: accepted; with two values: an error naming both.
+    # Both spellings with one value: accepted; a ZeRO key's two with two values: an error naming
+    # both (bf16 and bfloat16 with two values: bf16 is read, tests/clients/).
     assert Config.from_any({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
                             "bfloat16": {"enabled": True}}).bf16.enabled is True
-    msg = err({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "bfloat16": {"enabled": False}})
-    assert "bfloat16 and bf16 name the same setting (bf16) with different values" in msg
+    msg = err({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                                     "stage3_gather_fp16_weights_on_model_save": False}})
+    assert ("zero_optimization.stage3_gather_fp16_weights_on_model_save and "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save name the same setting") in msg
 
 
 # Keys without effect by design: accepted with the value that describes the runtime, refused with
@@ -926,11 +929,12 @@ def test_bad_optimizer_sections(section, key, words):
         ({"type": "warmuplr"}, "scheduler.type", "did you mean 'WarmupLR'"),
         ({"type": "WarmupDecayLR", "params": {}}, "scheduler.params.total_num_steps", "required"),
         ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type", "'log', 'linear'"),
-        ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, "scheduler.params.warmup_num_steps", "positive"),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, "scheduler.params.warmup_num_steps",
+         "non-negative"),
         ({"type": "WarmupLR", "params": {"last_batch_iteration": 5}}, "scheduler.params.last_batch_iteration",
          "first step"),
-        ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "cos_min_ratio": 2}},
-         "scheduler.params.cos_min_ratio", "[0.0, 1.0]"),
+        ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_min_ratio": -0.5}},
+         "scheduler.params.warmup_min_ratio", ">= 0.0"),
         ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_max_lr": 1}},
          "scheduler.params.warmup_max_lr", "unknown config key"),
     ],
