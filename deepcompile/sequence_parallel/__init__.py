@@ -15,7 +15,7 @@ docs/design/sequence-parallel.md describes the whole.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from torch.fx import GraphModule
@@ -85,43 +85,64 @@ class SequenceParallel:
 
     def check_inputs(self, args: Any, kwargs: Mapping[str, Any]) -> None:
         """Refuse a forward whose inputs the pass would get wrong (attention.py): a padding
-        ``attention_mask``, or ``position_ids`` other than this slice's global, consecutive ones
-        (missing, local, or packed sequences). One small device reduction and a host read."""
+        ``attention_mask``, ``position_ids`` missing or of another shape than the other ranks'
+        slices, or other than this slice's global, consecutive ones (local, or packed sequences
+        without compile.packed_sequences).
+
+        The group decides together: every rank's verdict is exchanged before anyone raises, so
+        either every rank of the group raises the same error, naming the ranks at fault, or none
+        does (a rank refusing alone would leave the others inside the attention's all-to-all).
+        Two small all-gathers and a host read."""
         if not self.enabled:
             return
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-            raise SequenceParallelError(
-                "sequence parallelism: an attention_mask with padding cannot be split over ranks; pack or pad at the "
-                "end without a mask (engine.sequence_parallel.shard does)")
         positions = kwargs.get("position_ids")
-        if not isinstance(positions, torch.Tensor):
-            raise SequenceParallelError(
-                "sequence parallelism: the forward needs this slice's global position_ids (the model would number "
-                "each slice from 0); split batches with engine.sequence_parallel.shard(batch)")
-        if positions.dim() == 1:
+        if isinstance(positions, torch.Tensor) and positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        has_positions = isinstance(positions, torch.Tensor)
+        padded = isinstance(mask, torch.Tensor) and not bool((mask == 1).all())
+        rows, length = (positions.shape[0], positions.shape[-1]) if has_positions else (0, 0)
+        header = torch.tensor([int(padded), int(has_positions), rows, length], dtype=torch.int64,
+                              device=self._exchange_device(args, kwargs))
+        headers = self._gather(header).tolist()
+        problem = _header_problem(headers, self.groups.group_ranks)
+        if problem is not None:
+            raise SequenceParallelError(problem)
         if self.packed:
             self._publish_documents(positions)
             return
-        length = positions.shape[-1]
         # Per rank of the group: whether its slice is consecutive, and each row's first position.
         # Slice r must start r * length after slice 0 (contiguous, in rank order, numbered
-        # globally). Gathered, so that every rank of the group decides the same.
+        # globally). Every rank sees every rank's values, so all decide the same.
         consecutive = (positions.diff(dim=-1) == 1).all() if length > 1 else torch.tensor(True)
         mine = torch.cat([consecutive.to(positions.device, positions.dtype).reshape(1), positions[:, 0]])
-        gathered = mine.new_empty(self.size * mine.numel())
-        torch.distributed.all_gather_into_tensor(gathered, mine.contiguous(), group=self.group)
-        gathered = gathered.view(self.size, mine.numel())
+        gathered = self._gather(mine.to(header.device, torch.int64))
         offsets = torch.arange(self.size, device=gathered.device).unsqueeze(-1) * length
         firsts = gathered[:, 1:]
-        if not bool(gathered[:, 0].all()) or not bool((firsts == firsts[0] + offsets).all()):
+        wrong = [r for r in range(self.size)
+                 if not bool(gathered[r, 0]) or not bool((firsts[r] == firsts[0] + offsets[r]).all())]
+        if wrong:
             raise SequenceParallelError(
-                f"sequence parallelism: rank {self.rank} of {self.size} must hold positions "
-                f"[start + {self.rank * length}, start + {(self.rank + 1) * length}) of each sequence, consecutive, "
-                "with the slices in rank order (engine.sequence_parallel.shard makes them); a slice numbered from 0 "
-                "on every rank is not supported, and packed sequences (positions restarting inside a row) need "
-                "compile.packed_sequences")
+                f"sequence parallelism: {_ranks(wrong, self.groups.group_ranks)} of the group hold position_ids that "
+                f"are not their slice of each sequence: rank r of {self.size} must hold positions "
+                f"[start + r * {length}, start + (r + 1) * {length}), consecutive, with the slices in rank order "
+                "(engine.sequence_parallel.shard makes them); a slice numbered from 0 on every rank is not supported, "
+                "and packed sequences (positions restarting inside a row) need compile.packed_sequences")
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``values`` (the same shape on each), stacked in group order."""
+        gathered = values.new_empty(self.size * values.numel())
+        torch.distributed.all_gather_into_tensor(gathered, values.contiguous(), group=self.group)
+        return gathered.view(self.size, values.numel())
+
+    def _exchange_device(self, args: Any, kwargs: Mapping[str, Any]) -> torch.device:
+        """Where the group's verdicts travel: the inputs' device (the communicator's)."""
+        for value in (*kwargs.values(), *args):
+            if isinstance(value, torch.Tensor):
+                return value.device
+        if torch.distributed.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _publish_documents(self, positions: torch.Tensor) -> None:
         """compile.packed_sequences: the whole sequences' documents, from every rank's positions,
@@ -162,3 +183,31 @@ class SequenceParallel:
             documents.withdraw(self.group_key)
             all_to_all.unregister_group(self.group_key)
             self.group_key = 0
+
+
+def _ranks(indices: List[int], group_ranks: List[int]) -> str:
+    """``rank 1 (global 3)`` or ``ranks 0, 1 (global 2, 3)``: the group's ranks at fault."""
+    local = ", ".join(str(i) for i in indices)
+    return f"rank{'s' if len(indices) > 1 else ''} {local} (global {', '.join(str(group_ranks[i]) for i in indices)})"
+
+
+def _header_problem(headers: List[List[int]], group_ranks: List[int]) -> Optional[str]:
+    """The refusal every rank of the group raises, from every rank's ``[padded, has_positions,
+    rows, length]``, or None when the slices agree."""
+    padded = [r for r, h in enumerate(headers) if h[0]]
+    if padded:
+        return (f"sequence parallelism: {_ranks(padded, group_ranks)} of the group got an attention_mask with padding, "
+                "which cannot be split over ranks; pack or pad at the end without a mask "
+                "(engine.sequence_parallel.shard does)")
+    missing = [r for r, h in enumerate(headers) if not h[1]]
+    if missing:
+        return (f"sequence parallelism: {_ranks(missing, group_ranks)} of the group got no position_ids; the forward "
+                "needs each slice's global position_ids (the model would number each slice from 0); split batches "
+                "with engine.sequence_parallel.shard(batch)")
+    shapes = {(h[2], h[3]) for h in headers}
+    if len(shapes) > 1:
+        held = "; ".join(f"rank {r}: {h[2]} rows of {h[3]} tokens" for r, h in enumerate(headers))
+        return (f"sequence parallelism: the group's slices differ in shape ({held}); every rank must hold an "
+                "equal slice of the same sequences (engine.sequence_parallel.shard pads the length to a multiple of "
+                "the group's size)")
+    return None
