@@ -114,7 +114,11 @@ class Engine:
         # Ulysses sequence parallelism (sequence_parallel/): the ranks that share each sequence.
         self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size),
                                                   packed=config.compile.packed_sequences)
-        self.sequence_parallel.check_model(model)
+        try:
+            self.sequence_parallel.check_model(model)
+        except BaseException:
+            self.sequence_parallel.close()
+            raise
         # The causal mask transformers materialises in whole-model graphs, dropped where it cannot
         # depend on the data (passes/causal_mask.py); sequence parallelism's pass drops it itself.
         # Before anything is allocated: it refuses compile.packed_sequences for non-causal models.
@@ -142,6 +146,7 @@ class Engine:
         runtime.init(self.topology.shard_group, runtime.RuntimeConfig(**config.runtime_config()),
                      device=self.device.type, replica_group=self.topology.replica_group,
                      secondary_group=self.topology.secondary_group)
+        self._runtime_generation = runtime.generation()  # checked before each use (_check_runtime_is_ours)
         # Materialises the model on self.device module by module (a meta or CPU model: ZeRO-3
         # holds its shards plus one module's parameters at a time) and partitions it.
         self.sharding: Sharding = _make_sharding(model, optimizer, config, self.precision, self.topology,
@@ -278,7 +283,18 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    def _check_runtime_is_ours(self) -> None:
+        """Refuse to run on a runtime a later ``initialize`` made: the runtime is one per process,
+        so this engine's parameter ids would resolve to the other engine's parameters (issue 51)."""
+        if self._runtime_generation != runtime.generation():
+            raise RuntimeError(
+                "deepcompile: another deepcompile.initialize in this process replaced the runtime this engine "
+                "registered its parameters with, so this engine would train on the other engine's parameters. One "
+                "training engine per process for now: destroy() this one and initialize it again after the other is "
+                "destroyed, or run the models in separate processes")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_runtime_is_ours()
         if not self._init_checked:
             self._check_initialised()
         if self.summary_line is None:  # what runs, said once (run_summary.py)
@@ -298,7 +314,7 @@ class Engine:
         self._publish_documents(kwargs)
         self._watch("forward")
         self._enter(moment, "forward")
-        with self._first_runs("forward", self._compiled is not None):
+        with self._first_runs("forward", self._compiled is not None), self.sequence_parallel.guarding():
             try:
                 out = module(*args, **kwargs)
             except BaseException:
@@ -342,6 +358,7 @@ class Engine:
         the number of tokens this micro-step trained on, for the tokens/s of ``steps_per_print``
         (an int or a device tensor, e.g. ``attention_mask.sum()``); default: the elements of the
         forward's ``input_ids`` argument, or of its first integer tensor argument."""
+        self._check_runtime_is_ours()
         moment = self._moment()
         self.sharding.start_backward(moment.boundary)
         for hook in self._at["before_backward"]:
@@ -389,6 +406,7 @@ class Engine:
         """The optimizer step at an accumulation boundary (a no-op between). Returns the global
         gradient norm before clipping (a 0-dim tensor on the device: reading it synchronises)
         at a boundary, else None."""
+        self._check_runtime_is_ours()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -543,6 +561,7 @@ class Engine:
 
         Tied parameters appear under each of their names, as in ``nn.Module.state_dict``.
         """
+        self._check_runtime_is_ours()
         return self.sharding.full_state_dict(all_ranks)
 
     def save_hf(self, directory: str, max_shard_size: Union[int, str] = "5GB") -> None:
@@ -625,7 +644,8 @@ class Engine:
         self.sequence_parallel.close()
         if self.causal_masks is not None and self.causal_masks.documents_key is not None:
             sp_documents.withdraw(self.causal_masks.documents_key)
-        runtime.cleanup()
+        if self._runtime_generation == runtime.generation():
+            runtime.cleanup()  # a later engine's runtime is left to it
         stop_watching(self.faults)
 
 

@@ -145,8 +145,9 @@ def init(
     config = config if config is not None else RuntimeConfig()
     device_type = _device_type_for(group, device)
     device_index = torch.cuda.current_device() if device_type == "cuda" else -1
-    global _DEVICE
+    global _DEVICE, _GENERATION
     _DEVICE = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    _GENERATION += 1
     _C.init(
         group,
         device_type,
@@ -209,6 +210,15 @@ def is_initialized() -> bool:
 
 # The device of the last init (its lanes, gathered buffers and shards live there).
 _DEVICE: Optional[torch.device] = None
+# How many times init has run in this process: an engine remembers the runtime it registered its
+# parameters with, and refuses to run on a later one (the runtime is one per process until each
+# engine owns its own: issue 51).
+_GENERATION = 0
+
+
+def generation() -> int:
+    """The number of the current runtime (each ``init`` makes a new one)."""
+    return _GENERATION
 
 
 def device() -> torch.device:

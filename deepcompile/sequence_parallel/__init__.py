@@ -15,13 +15,16 @@ docs/design/sequence-parallel.md describes the whole.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from torch.fx import GraphModule
 
 from deepcompile.passes.causal_mask import uses_sliding_window
-from deepcompile.sequence_parallel import all_to_all, documents, packed_attention  # noqa: F401 - kernels
+from deepcompile import compat
+from deepcompile.sequence_parallel import all_to_all, documents, eager_guard, packed_attention  # noqa: F401 - kernels
 from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
 from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
 from deepcompile.sequence_parallel.groups import SIZE_KEY, SequenceParallelGroups, build_groups, check_size
@@ -37,6 +40,10 @@ class SequenceParallel:
     def __init__(self, groups: SequenceParallelGroups, packed: bool = False):
         self.groups = groups
         self.group_key = all_to_all.register_group(groups.group) if groups.enabled else 0
+        # Attention calls outside the compiled graphs raise inside this engine's forward (eager_guard.py).
+        self._guard_installed = groups.enabled
+        if groups.enabled:
+            eager_guard.install()
         self.rewritten_calls = 0  # attention calls the graph pass has rewritten so far
         # compile.packed_sequences: attention kept inside the documents of packed rows.
         self.packed = packed
@@ -72,6 +79,11 @@ class SequenceParallel:
         for sliding-window attention (Mistral's default, Gemma's and Qwen2's sliding layers)."""
         if not self.enabled:
             return
+        routed = compat.kernel_routed_modules(model)
+        if routed:
+            eager_guard.note_cause(
+                f"here the kernels package routes the forward of {routed[0]}{' and others' if len(routed) > 1 else ''} "
+                "to a hub kernel, which Dynamo does not trace inside activation checkpointing")
         for name, module in model.named_modules():
             config = getattr(module, "config", None)
             if config is None or not hasattr(config, "to_dict"):
@@ -178,7 +190,15 @@ class SequenceParallel:
         this rank's share of it; 1 when off."""
         return gradient_factor(loss, self.size) if self.enabled else 1
 
+    def guarding(self):
+        """Around the forward: an attention call that runs outside the compiled graphs raises
+        (eager_guard.py); nothing when off."""
+        return eager_guard.guarding() if self.enabled else contextlib.nullcontext()
+
     def close(self) -> None:
+        if self._guard_installed:
+            self._guard_installed = False
+            eager_guard.uninstall()
         if self.group_key:
             documents.withdraw(self.group_key)
             all_to_all.unregister_group(self.group_key)
