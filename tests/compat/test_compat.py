@@ -28,6 +28,7 @@ EXPORT_CHECKS = {
     "TORCH_VERSION": "test_supported_torch_version",
     "aot_backend": "test_aot_backend_compiles_both_halves",
     "boxed": "test_boxed_takes_one_argument_list",
+    "bypass_idle_kernel_routing": "test_bypass_idle_kernel_routing_and_kernel_routed_modules",
     "compiled_output_strides": "test_inductor_compiler_for_later_and_compiled_output_strides",
     "default_store": "test_default_store_is_the_process_group_s_store",
     "direct_buffers": "test_direct_buffers",
@@ -37,6 +38,7 @@ EXPORT_CHECKS = {
     "forbid_data_access": "test_forbid_data_access_refuses_reads_of_every_view_and_keeps_metadata",
     "foreach_mul_": "test_foreach_norm_and_foreach_mul_",
     "foreach_norm": "test_foreach_norm_and_foreach_mul_",
+    "kernel_routed_modules": "test_bypass_idle_kernel_routing_and_kernel_routed_modules",
     "forward_inputs": "test_forward_inputs_are_the_graph_inputs_in_order",
     "gradient_output_index": "test_gradient_output_index_matches_backward_outputs",
     "inductor_compile": "test_inductor_compile_compiles_both_halves",
@@ -873,3 +875,29 @@ def test_share_always_called_hooks_keeps_identical_layers_in_one_capture():
     for module, handle in zip(failing, handles):
         assert dict(module._forward_hooks_always_called) == {handle.id: True}
     assert failing[0]._forward_hooks_always_called is not failing[1]._forward_hooks_always_called
+
+
+def test_bypass_idle_kernel_routing_and_kernel_routed_modules():
+    """kernels' routing wrapper (transformers >= 5.25 puts it on attention modules) is recognised;
+    modules whose wrappers select no hub kernel get their original forward, a kernelized one keeps
+    the routing; outputs are unchanged. (tests/compat/test_hub_kernels.py: Dynamo and
+    checkpointing on a transformers model.)"""
+    kernels = pytest.importorskip("kernels")
+
+    @kernels.use_kernel_forward_from_hub("DeepcompileCompatIdentity")
+    def identity(x):
+        return x
+
+    @kernels.use_kernelized_func(identity)
+    class Routed(torch.nn.Module):
+        def forward(self, x):
+            return identity(x) * 2
+
+    outer = torch.nn.Sequential(Routed(), Routed())
+    assert compat.kernel_routed_modules(outer) == ["0", "1"]
+    wrapper = next(iter(outer[1]._kernel_funcs.values()))
+    wrapper.forward = type(wrapper).forward.__get__(wrapper)  # as kernelize sets a hub layer's forward
+    assert compat.bypass_idle_kernel_routing(outer) == ["0"]
+    assert compat.kernel_routed_modules(outer) == ["1"]
+    x = torch.arange(3.0)
+    assert torch.equal(outer(x), x * 4)
