@@ -21,26 +21,27 @@ import torch
 from deepcompile.integrations.deepspeed_api import comm
 from deepcompile.integrations.deepspeed_api._missing import missing, module_getattr
 from deepcompile.integrations.deepspeed_api.frozen_shards import FrozenGather
-from deepcompile.integrations.deepspeed_api.zero_init import Building, DeferredGather, defer, preset_of
+from deepcompile.integrations.deepspeed_api.zero_init import Building, DeferredGather, build_dtype, defer, preset_of
 from deepcompile.zero.gathered_params import Gathered
 
 
 class Init(contextlib.ContextDecorator):
     """Parameters of the modules built inside are deferred (zero_init.py), keeping rank 0's
-    values. ``module=``: an already built module's parameters are deferred on entry.
-    ``remote_device``, ``pin_memory`` and ``config_dict_or_path`` are accepted and change nothing
-    (the values wait on the CPU; the engine places them); ``dtype`` is refused (the model keeps
-    the dtype it is built in, and the engine casts per its precision policy)."""
+    values, and the floating-point tensors torch's constructors make there come out in
+    ``self.dtype``: ``dtype=``, else the config's ``bf16``/``fp16`` (``config_dict_or_path``, or
+    the deprecated ``config``), else float32 (zero_init.build_dtype). ``module=``: an already
+    built module's parameters are deferred on entry, in the dtypes they have. ``remote_device``
+    and ``pin_memory`` are accepted and change nothing (the values wait on the CPU; the engine
+    places them)."""
 
     _building: Optional[Building] = None  # the outermost Init's; nested ones add nothing
 
     def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
                  remote_device: Any = None, pin_memory: bool = False, config_dict_or_path: Any = None,
                  config: Any = None, enabled: bool = True, dtype: Any = None, mpu: Any = None, **kwargs: Any):
-        if dtype is not None:
-            raise missing("deepspeed.zero.Init(dtype=...)")
         if mpu is not None:
             raise missing("deepspeed.zero.Init(mpu=...)")
+        self.dtype = build_dtype(config if config is not None else config_dict_or_path, dtype)
         self.enabled = enabled
         self.group = data_parallel_group
         self._owns_building = False
@@ -53,7 +54,7 @@ class Init(contextlib.ContextDecorator):
     def __enter__(self) -> "Init":
         if self.enabled and Init._building is None:
             comm.init_distributed()  # as DeepSpeed's Init: building is collective
-            Init._building = Building(self.group)
+            Init._building = Building(self.group, self.dtype)
             Init._building.start()
             self._owns_building = True
         return self
