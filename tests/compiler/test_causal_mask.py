@@ -160,8 +160,9 @@ def _engine_body(ctx):
     engine.compile(backend="eager")
     try:
         losses = []
+        on_device = ids.to(ctx.device)  # the reference ran on the CPU; the engine on the test's device
         for _ in range(2):
-            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = engine(input_ids=on_device, labels=on_device, use_cache=False).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
