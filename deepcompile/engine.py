@@ -383,8 +383,13 @@ class Engine:
         finally:
             self.scheduler.end_micro_step()
         # Flush what eager frames reduced, wait for every reduction and free the buckets for the
-        # optimizer step. Graphs flush their own reductions; this catches the rest.
-        ops.end_backward([], EAGER_GRAPH_ID, True)
+        # optimizer step. Graphs flush their own reductions; this catches the rest. A failure here
+        # abandons the window as a failed backward does (the reductions it waited for are lost).
+        try:
+            ops.end_backward([], EAGER_GRAPH_ID, True)
+        except BaseException:
+            self._abort_step()
+            raise
         self._exit(moment, "backward")
         for hook in self._at["after_backward"]:
             hook(moment, loss)
