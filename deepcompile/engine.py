@@ -566,7 +566,8 @@ class Engine:
 
         Tied parameters appear under each of their names, as in ``nn.Module.state_dict``.
         """
-        self._check_runtime_is_ours()
+        if self.stage == 3:  # gathered through the runtime, by parameter id
+            self._check_runtime_is_ours()
         return self.sharding.full_state_dict(all_ranks)
 
     def save_hf(self, directory: str, max_shard_size: Union[int, str] = "5GB") -> None:
