@@ -184,3 +184,49 @@ def _engine_body(ctx):
 @pytest.mark.world_size(1)
 def test_engine_runs_the_pass_and_matches_one_process():
     run_distributed(_engine_body, world_size=1, timeout=300)
+
+
+def test_models_whose_attention_modules_disagree_keep_their_masks():
+    """Encoder-decoders (an encoder's attention is bidirectional) and a decoder with one
+    bidirectional layer: the pass would give their all-true or padding-free masks is_causal."""
+    import transformers
+
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=40, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32))
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=40, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4))
+    assert not masks_are_causal(bart)
+    assert not masks_are_causal(t5)
+    llama = _model("llama")
+    assert masks_are_causal(llama)
+    llama.model.layers[1].self_attn.is_causal = False  # one bidirectional layer
+    assert not masks_are_causal(llama)
+
+
+def _attend(q, k, v):
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)  # shapes only: data-independent
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("query_length,expected", [(8, 1), (3, 0)], ids=["self", "kv_cache"])
+def test_a_call_whose_query_and_key_lengths_differ_keeps_its_mask(query_length, expected):
+    """A KV cache (or cross-attention) attends from fewer tokens than it attends to; its mask is
+    not the plain causal one is_causal gives, even when it follows from shapes alone."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, query_length, 4, generator=g)
+    k, v = torch.randn(1, 2, 8, 4, generator=g), torch.randn(1, 2, 8, 4, generator=g)
+    counted = []
+
+    def backend(gm, example_inputs):
+        counted.append(elide_causal_masks(gm)[0])
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(_attend, backend=backend)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert sum(counted) == expected
+    torch.testing.assert_close(got, _attend(q, k, v), **TOL)
