@@ -60,6 +60,7 @@ def pytest_configure(config):
         "world_size(n, ...): the test's distributed bodies run at world size n (or at each size given); its id "
         "shows ws<n>",
     )
+    config.addinivalue_line("markers", "slow: long-running (e.g. the full model zoo); deselect with -m 'not slow'")
 
 
 def _names_world_sizes_itself(metafunc) -> bool:
