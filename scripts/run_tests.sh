@@ -11,4 +11,8 @@ cmake -S . -B build/cpp -G Ninja -DTORCH_ROOT="$TORCH_ROOT" >/dev/null
 cmake --build build/cpp -j "$(nproc)"
 ctest --test-dir build/cpp --output-on-failure
 
-"$PY" -m pytest -q --durations=25 tests "$@"
+# Tests marked slow (the whole model zoo, 4-rank variants) are run by hand before an issue that
+# needs them is resolved: DC_TEST_SLOW=1 includes them.
+slow=(-m "not slow")
+if [ "${DC_TEST_SLOW:-0}" = 1 ]; then slow=(); fi
+"$PY" -m pytest -q --durations=25 "${slow[@]}" tests "$@"

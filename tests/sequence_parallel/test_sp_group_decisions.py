@@ -3,7 +3,7 @@
 Each rank used to check its own slice before the group's exchange: with padding in the last slice
 only, that rank refused while the others waited in the exchange until the group's timeout; with
 slices of 32 and 31 tokens, one rank accepted and the other refused (naming a wrong range), and
-the first died on a timeout. Now every rank's verdict is exchanged first: on 2 and 4 gloo ranks
+the first died on a timeout. Now every rank's verdict is exchanged first: on 2 gloo ranks (4 in the slow suite)
 (sequence-parallel groups of 2, and of 4), each faulty input on one rank makes every rank of its
 group raise the same error naming that rank, and good slices pass on every rank. A short timeout
 makes a rank left waiting fail the test instead of hanging it.
@@ -74,6 +74,6 @@ def _check_case(ctx, sp_size: int, case: str):
     assert expected in message, message
 
 
-@pytest.mark.parametrize("world_size", [2, 4], ids=lambda n: f"ws{n}")
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"ws{n}")
 def test_the_group_decides_together(world_size):
     run_distributed(_body, world_size, timeout=120)
