@@ -289,6 +289,10 @@ def write_summary(prof, wall_ms: float, n_steps: int, path: str, title: str,
     lines += [generated_kernel_line(kernels, n_steps)]
     lines += [""] + overlap_lines(kernels, wall_ms, n_steps)
     lines += [""] + transfer_lines(transfers)
+    # The step-time account (bench/step_account.py): by kind of kernel, idle device, host launches.
+    from step_account import account, table
+
+    lines += ["", "## step-time account", table([(title, account(chrome, n_steps))])]
     lines += ["", "## top operators by self CPU time",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)]
     if torch.cuda.is_available():
