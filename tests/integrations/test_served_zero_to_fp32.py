@@ -16,6 +16,7 @@ step, saved as ``second`` without touching ``latest``), with the engine's
 * ``load_state_dict_from_zero_checkpoint`` fills a fresh model (tied names included) and returns
   it; a model the checkpoint does not match is refused, unchanged;
 * ``lazy_mode=True`` and ``exclude_frozen_parameters=True`` are refused with a message;
+* a bf16 ZeRO-3 checkpoint gives the fp32 masters (not the bf16 parameters upcast), as DeepSpeed's does;
 * after ``serve_as_deepspeed()`` (in a child process: it rewrites ``sys.modules``) both
   ``from deepspeed.utils.zero_to_fp32 import ...`` and ``deepspeed.utils.zero_to_fp32.<fn>`` work.
 """
@@ -233,3 +234,37 @@ def test_served_import_paths(saved):
                            os.path.join(saved, "expected_stage3_first.pt")],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0 and "served ok 6" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _save_bf16_body(ctx, root):
+    import deepcompile
+    from deepcompile.integrations.deepspeed_api.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    engine = deepcompile.initialize(model, make_optimizer(model.parameters()),
+                                    {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank)).to(torch.bfloat16)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    engine.save_checkpoint(root, tag="bf16")
+    masters = {name: safe_get_full_fp32_param(p).cpu() for name, p in model.named_parameters()}
+    if ctx.rank == 0:
+        torch.save(masters, os.path.join(root, "masters.pt"))
+    engine.destroy()
+
+
+def test_a_bf16_checkpoint_gives_the_fp32_masters(tmp_path):
+    """As DeepSpeed's: the fp32 master weights, not the bf16 parameters upcast (at least one
+    master differs from its bf16 rounding, so an upcast copy would not pass)."""
+    root = str(tmp_path / "bf16")
+    run_distributed(_save_bf16_body, 2, args=(root,), timeout=300)
+    masters = torch.load(os.path.join(root, "masters.pt"))
+    got = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag="bf16")
+    assert set(masters) == set(got)
+    rounded_away = 0
+    for name, master in masters.items():
+        assert got[name].dtype == torch.float32, f"{name}: {got[name].dtype}"
+        assert torch.equal(got[name], master), f"{name} is not the fp32 master"
+        rounded_away += int(not torch.equal(master.to(torch.bfloat16).float(), master))
+    assert rounded_away > 0
