@@ -14,17 +14,11 @@ reads its probe's outcome.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 
-from _harness import hf_launch
+from _harness import served_probes
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # DeepSpeed's builder classes and the op NAME each one has (its key in __compatible_ops__).
 _BUILDERS = {"AsyncIOBuilder": "async_io", "CPUAdamBuilder": "cpu_adam", "CPUAdagradBuilder": "cpu_adagrad",
@@ -103,45 +97,15 @@ def _probe_load_raises_naming_the_op():
 _PROBES = [name for name in list(globals()) if name.startswith("_probe_")]
 
 
-def _run_probes(out_path: str) -> None:
-    """In the served child: every probe, each caught on its own; ``{probe: null | traceback}``."""
-    results = {}
-    for name in _PROBES:
-        try:
-            globals()[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - reported to the test that owns the probe
-            results[name] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-
-
 # ---- tests: in pytest's process ----------------------------------------------------------------
-
-_CHILD = """
-import importlib.util, sys
-sys.path.insert(0, {tests!r})  # this file imports _harness
-import deepcompile
-deepcompile.serve_as_deepspeed()
-spec = importlib.util.spec_from_file_location("transformers_ds_probes", {path!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-module._run_probes({out!r})
-"""
-
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ds_probes") / "outcomes.json")
-    env = hf_launch.launch_env({"CUDA_VISIBLE_DEVICES": ""})
-    proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=_TESTS, path=os.path.abspath(__file__), out=out)],
-                          env=env, cwd=hf_launch.ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    with open(out) as f:
-        return json.load(f)
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    return served_probes.run_in_served_child(__file__, "transformers_ds_probes", out, env, timeout=300)
 
 
 @pytest.mark.parametrize("probe", _PROBES)
 def test_probe(outcomes, probe):
-    error = outcomes[probe]
-    assert error is None, f"{probe} failed in the served process:\n{error}"
+    served_probes.check(outcomes, probe)

@@ -13,16 +13,10 @@ probe's outcome.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 
-from _harness import hf_launch
-from _harness.paths import TESTS
+from _harness import hf_launch, served_probes
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -239,18 +233,6 @@ _PROBES = ["_probe_from_config_bf16", "_probe_from_config_fp16", "_probe_config_
            "_probe_trains_one_step_bf16", "_probe_trains_one_step_fp16"]
 
 
-def _run_probes(out_path: str) -> None:
-    results = {}
-    for name in _PROBES:
-        try:
-            globals()[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - reported to the test that owns the probe
-            results[name] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-
-
 # ---- two gloo ranks, the served package used directly (the pool's ranks are shared) -------------
 
 
@@ -301,35 +283,16 @@ def test_bf16_slices_on_two_ranks_are_rank0_values_and_train():
 
 # ---- tests: in pytest's process ----------------------------------------------------------------
 
-_CHILD = """
-import importlib.util, sys
-sys.path.insert(0, {tests!r})  # this file imports _harness
-import deepcompile
-deepcompile.serve_as_deepspeed()
-spec = importlib.util.spec_from_file_location("zero_init_dtype_probes", {path!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-module._run_probes({out!r})
-"""
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("zero_init_dtype") / "outcomes.json")
-    env = hf_launch.launch_env({"CUDA_VISIBLE_DEVICES": "", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                                "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                "MASTER_PORT": str(hf_launch._free_port())})
-    proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(TESTS), path=os.path.abspath(__file__),
-                                                                 out=out)],
-                          env=env, cwd=hf_launch.ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    with open(out) as f:
-        return json.load(f)
+    env = {"CUDA_VISIBLE_DEVICES": "", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(hf_launch._free_port())}
+    return served_probes.run_in_served_child(__file__, "zero_init_dtype_probes", out, env, timeout=600)
 
 
 def _check(outcomes, probe):
-    error = outcomes[probe]
-    assert error is None, f"{probe} failed in the served process:\n{error}"
+    served_probes.check(outcomes, probe)
 
 
 def test_from_config_under_bf16_config_builds_bf16(outcomes):

@@ -16,17 +16,11 @@ its own; every test reads its probe's outcome. The child sees no GPU: the CPU me
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 
-from _harness import hf_launch
+from _harness import hf_launch, served_probes
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- probes: run in the served child process ------------------------------------------------
 
@@ -254,50 +248,18 @@ _PROBES = ["_probe_deepspeed_chat_arguments_and_accelerator", "_probe_lightning_
            "_probe_safe_accessors_need_an_engine", "_probe_comm_extras"]
 
 
-def _run_probes(out_path: str) -> None:
-    """In the served child: every probe, each caught on its own (one failing import must not hide
-    the others); ``{probe: null | traceback}`` written to ``out_path``."""
-    results = {}
-    for name in _PROBES:
-        try:
-            globals()[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - reported to the test that owns the probe
-            results[name] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-
-
 # ---- tests: in pytest's process ----------------------------------------------------------------
-
-_CHILD = """
-import importlib.util, sys
-sys.path.insert(0, {tests!r})  # this file imports _harness
-import deepcompile
-deepcompile.serve_as_deepspeed()
-spec = importlib.util.spec_from_file_location("served_names_probes", {path!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-module._run_probes({out!r})
-"""
-
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("served_names") / "outcomes.json")
-    env = hf_launch.launch_env({"CUDA_VISIBLE_DEVICES": "", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                                "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                "MASTER_PORT": str(hf_launch._free_port())})
-    proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=_TESTS, path=os.path.abspath(__file__), out=out)],
-                          env=env, cwd=hf_launch.ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    with open(out) as f:
-        return json.load(f)
+    env = {"CUDA_VISIBLE_DEVICES": "", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(hf_launch._free_port())}
+    return served_probes.run_in_served_child(__file__, "served_names_probes", out, env, timeout=300)
 
 
 def _check(outcomes, probe):
-    error = outcomes[probe]
-    assert error is None, f"{probe} failed in the served process:\n{error}"
+    served_probes.check(outcomes, probe)
 
 
 def test_deepspeed_chat_arguments_and_accelerator(outcomes):
