@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 KINDS = ("GEMM", "attention", "optimizer", "collectives", "copies/sets", "inductor fused", "other")
 _GEMM = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm80_", "ampere_", "hopper_")
 _ATTENTION = ("flash", "fmha", "attention", "efficient_attention", "cudnn_sdpa", "sdpa")
-_OPTIMIZER = ("multi_tensor", "adam", "foreach", "fused_sgd", "lamb")
+_OPTIMIZER = ("multi_tensor", "adam", "foreach", "fused_sgd")  # not "lamb": it would match "lambda"
 
 
 def classify(name: str, category: str = "kernel") -> str:

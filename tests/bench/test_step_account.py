@@ -36,6 +36,11 @@ def _trace():
     ]}
 
 
+def test_lambda_in_a_kernel_name_is_not_an_optimizer():
+    assert step_account.classify("reduce_kernel<128, 4, ReduceOp<float, func_wrapper<[lambda]>>>") == "other"
+    assert step_account.classify("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+
+
 def test_kinds_busy_idle_and_host():
     acc = step_account.account(_trace(), steps=2)
     assert acc["device: GEMM"] == 0.02 and acc["device: collectives"] == 0.015
