@@ -230,12 +230,20 @@ at::Tensor gatherSource(Lanes& lanes, const Z3Layout& p) {
   return staging;
 }
 
-void freeGathered(Lanes& lanes, Z3Layout& p) {
+namespace {
+
+void freeGatheredImpl(Lanes& lanes, Z3Layout& p, bool drop_failure) {
   if (p.gathered.defined()) {
     // CPU: the gather may still write into the buffer from gloo's thread; finish it first.
     // CUDA: the compute stream read the buffer after waiting for the gather; the allocator must
     // not hand the block out before those kernels ran.
-    if (p.gather_done && lanes.device().is_cpu()) p.gather_done->hostWait();
+    if (p.gather_done && lanes.device().is_cpu()) {
+      try {
+        p.gather_done->hostWait();
+      } catch (const std::exception&) {
+        if (!drop_failure) throw;  // a failed wait has finished the collective: the buffer can go
+      }
+    }
     lanes.recordStream(p.gathered, lanes.computeStream());
     // Free the storage itself, not just this handle: views handed to the graph share it and
     // would otherwise keep the padded buffer alive.
@@ -245,5 +253,11 @@ void freeGathered(Lanes& lanes, Z3Layout& p) {
   p.valid = false;
   p.gather_done = nullptr;
 }
+
+}  // namespace
+
+void freeGathered(Lanes& lanes, Z3Layout& p) { freeGatheredImpl(lanes, p, false); }
+
+void freeGatheredDroppingFailure(Lanes& lanes, Z3Layout& p) { freeGatheredImpl(lanes, p, true); }
 
 }  // namespace deepcompile

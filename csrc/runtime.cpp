@@ -13,6 +13,23 @@ namespace deepcompile {
 
 namespace {
 
+// Runs one stage of a clean-up that must run every stage: the first failure is kept in `first`
+// ("what: message"), later ones are dropped.
+template <typename Step>
+void attemptStage(std::string& first, const char* what, Step&& step) noexcept {
+  try {
+    step();
+  } catch (const std::exception& e) {
+    if (first.empty()) first = std::string(what) + ": " + e.what();
+  } catch (...) {
+    if (first.empty()) first = std::string(what) + ": unknown error";
+  }
+}
+
+}  // namespace
+
+namespace {
+
 std::unique_ptr<Runtime>& currentSlot() {
   // Deliberately never destroyed by static destruction: tearing down NCCL and CUDA state after
   // the CUDA runtime shut down crashes at exit. Python calls cleanup() at exit instead.
@@ -135,15 +152,7 @@ std::string Runtime::drainLanes(double timeout_s) {
 std::string Runtime::shutdown(double timeout_s) noexcept {
   if (!comm_) return {};
   std::string first;
-  auto attempt = [&first](const char* what, auto&& step) {
-    try {
-      step();
-    } catch (const std::exception& e) {
-      if (first.empty()) first = std::string(what) + ": " + e.what();
-    } catch (...) {
-      if (first.empty()) first = std::string(what) + ": unknown error";
-    }
-  };
+  auto attempt = [&first](const char* what, auto&& step) { attemptStage(first, what, step); };
   // Let in-flight collectives and copies finish before their buffers go away, within the deadline.
   attempt("waiting for in-flight communication", [&] {
     const std::string error = drainLanes(timeout_s);
@@ -168,18 +177,25 @@ std::string Runtime::shutdown(double timeout_s) noexcept {
 }
 
 void Runtime::abortStep() {
+  // Every stage runs whatever an earlier one raised, and the window is reset in any case; a
+  // gather whose collective failed is freed without rethrowing its failure (the step is being
+  // abandoned for it). A stage that still fails leaves the runtime refusing every later op.
+  std::string first;
+  auto attempt = [&first](const char* what, auto&& step) { attemptStage(first, what, step); };
   // Nothing may still write the buffers dropped below: finish every lane's queued work and the
   // collectives of groups that were aborted mid-way.
-  for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
+  attempt("waiting for the lanes", [&] {
+    for (int i = 0; i < kNumLanes; ++i) lanes_->synchronize(static_cast<Lane>(i));
+  });
   for (Communicator* comm : {comm_.get(), replica_comm_.get(), secondary_comm_.get()}) {
-    if (comm != nullptr) comm->settleAborted();
+    if (comm != nullptr) attempt("settling aborted groups", [&] { comm->settleAborted(); });
   }
-  reducer_->abandon();
-  for (auto& kv : executors_) kv.second->abortStep();
-  registry_.forEachZ3([this](DSParam&, Z3Layout& z3) {
+  attempt("dropping queued reductions", [&] { reducer_->abandon(); });
+  for (auto& kv : executors_) attempt("resetting an executor", [&] { kv.second->abortStep(); });
+  registry_.forEachZ3([&](DSParam&, Z3Layout& z3) {
     // Persistent buffers stay: a failed group already marked its own invalid, and the shards
     // did not change. A non-persistent buffer was gathered for uses that will not run now.
-    if (!z3.persistent) freeGathered(*lanes_, z3);
+    if (!z3.persistent) attempt("freeing a gathered buffer", [&] { freeGatheredDroppingFailure(*lanes_, z3); });
   });
   // The failed window's targets may hold part of its gradients (flushed buckets): the next
   // backward opens a new window, whose first reduction of each parameter overwrites its target.
@@ -190,6 +206,11 @@ void Runtime::abortStep() {
   });
   window_closed_ = true;
   update_step_ = false;
+  if (!first.empty() && broken_.empty()) {
+    broken_ = "a failed step could not be abandoned cleanly (" + first +
+              "); destroy the engine and initialize it again";
+  }
+  TORCH_CHECK(first.empty(), "deepcompile: ", broken_);
 }
 
 void checkSameDevice(const c10::Device& tensor, const c10::Device& runtime, const char* op, const char* what) {

@@ -404,8 +404,10 @@ class Engine:
         try:
             runtime.abort_step()
         except Exception as cleanup_error:  # the caller must see the error that failed the step
-            warnings.warn(f"deepcompile: cleaning up after a failed step failed too: {cleanup_error}; the next step "
-                          "may fail", RuntimeWarning)
+            # The runtime ran every stage of the clean-up and now refuses every later op with this
+            # reason (runtime.cpp, abortStep), so nothing trains on a half-cleaned step.
+            warnings.warn(f"deepcompile: cleaning up after a failed step failed too: {cleanup_error}; the runtime "
+                          "refuses every later operation: destroy the engine and initialize it again", RuntimeWarning)
 
     def step(self) -> Optional[torch.Tensor]:
         """The optimizer step at an accumulation boundary (a no-op between). Returns the global

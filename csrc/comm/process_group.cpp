@@ -41,6 +41,7 @@ class WorkCompletion final : public Completion {
     } catch (const std::exception& e) {
       error_ = e.what();
       if (error_.empty()) error_ = "unknown error";
+      settle();
       finish();
       throw;
     }
@@ -48,6 +49,18 @@ class WorkCompletion final : public Completion {
   }
 
  private:
+  // After a failure: the works not yet waited for may still read or write the kept buffers in
+  // gloo's threads; let each end (its own error dropped: the first one is reported) before the
+  // buffers go, so that nobody frees memory a collective still uses.
+  void settle() noexcept {
+    for (auto& work : works_) {
+      try {
+        work->wait();
+      } catch (...) {
+      }
+    }
+  }
+
   void finish() {
     works_.clear();
     then_.clear();

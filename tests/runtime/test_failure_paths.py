@@ -5,7 +5,8 @@ step must leave the runtime usable, and the next step must train as if the faile
   the parameters staged in it are not valid, and later collectives work (before: every later
   collective raised "communicator groups cannot nest").
 * ``runtime.abort_step()`` forgets the failed step's release counts (before: the next gather
-  episode was freed after 2 of its 3 uses).
+  episode was freed after 2 of its 3 uses), and after a gather whose wait failed it drops that
+  failure instead of raising it again, so the next gather of the parameter works (issue 52).
 * Through the engine (ZeRO-3, 2 ranks, gloo): a forward whose gather fails, or a backward that
   raises after some gradients were handed over, is caught, and the following steps end with the
   parameters of a run that never saw the failed batch (before: the failed backward's queued
@@ -74,6 +75,27 @@ def _body_failed_allocation(ctx):
 
 def test_failed_allocation_opens_no_group():
     run_distributed(_body_failed_allocation, WORLD)
+
+
+def _body_failed_wait_then_abort(ctx):
+    fulls, shards = setup_z3(ctx, FP32_SPECS[:1])
+    i = FP32_SPECS[0][0]
+    runtime._inject_fault("completion_wait", 1)  # the gather's collective fails at its wait
+    out = ops.allgather_param(shards[i], GRAPH, i, None)
+    with pytest.raises(RuntimeError, match=INJECTED):
+        ops.wait_allgather(out, GRAPH, i)
+    # Abandoning the step drops the failed completion instead of raising it again (before: "this
+    # collective failed earlier", with the window not reset and the parameter left gathered).
+    runtime.abort_step()
+    assert not runtime.is_gathered(i)
+    out = gather(shards[i], GRAPH, i)
+    assert torch.equal(out, fulls[i]), "wrong values gathered after the failed wait"
+    ops.release_param(out, GRAPH, i, 1)
+    assert not runtime.is_gathered(i)
+
+
+def test_abort_after_a_failed_wait_drops_the_failure_and_the_next_gather_works():
+    run_distributed(_body_failed_wait_then_abort, WORLD)
 
 
 def _body_release_counts_reset(ctx):

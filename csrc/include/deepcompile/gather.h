@@ -32,6 +32,10 @@ void keepSecondary(Lanes& lanes, Communicator& secondary, Z3Layout& param);
 at::Tensor gatherPrivateCopy(Lanes& lanes, Communicator& comm, const Z3Layout& param, at::ScalarType dtype);
 // Frees a parameter's gathered storage itself (every view of it then has 0 bytes).
 void freeGathered(Lanes& lanes, Z3Layout& param);
+// The same for a step being abandoned: a gather whose collective failed has finished (gloo will not
+// write its buffer any more), so its failure is dropped here instead of rethrown, and the
+// parameter is left ungathered as after any free.
+void freeGatheredDroppingFailure(Lanes& lanes, Z3Layout& param);
 // Before gathering `params`: raises (naming the ds id) for a shard whose device storage was freed
 // and that has no host shard, and orders the all-gather lane after the offload lane's pending
 // write-backs when a host shard is to be read. Called before any collective group opens.
