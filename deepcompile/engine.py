@@ -115,7 +115,7 @@ class Engine:
         self.sequence_parallel = SequenceParallel(build_sp_groups(config.sequence_parallel_size),
                                                   packed=config.compile.packed_sequences)
         try:
-            self.sequence_parallel.check_model(model)
+            self.sequence_parallel.check_model(model, routed=compat.kernel_routed_modules(model))
         except BaseException:
             self.sequence_parallel.close()
             raise

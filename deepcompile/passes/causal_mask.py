@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 
 from deepcompile import compat, ops
 
-_SDPA = torch._C._nn.scaled_dot_product_attention  # the builtin, never a wrapper (sequence_parallel/eager_guard.py)
+_SDPA = F.scaled_dot_product_attention  # read at import, before any engine wraps it (sequence_parallel/eager_guard.py)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # Calls that read a tensor's shape, not its values: the traversal does not follow their tensor.
 _SHAPE_READS = {"size", "dim"}

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
 
 from deepcompile.passes.causal_mask import uses_sliding_window
-from deepcompile import compat
 from deepcompile.sequence_parallel import all_to_all, documents, eager_guard, packed_attention  # noqa: F401 - kernels
 from deepcompile.sequence_parallel.attention import SequenceParallelError, split_attention
 from deepcompile.sequence_parallel.batch import shard_batch, shift_labels
@@ -73,13 +72,14 @@ class SequenceParallel:
         self.rewritten_calls += count
         return count
 
-    def check_model(self, model: torch.nn.Module) -> None:
+    def check_model(self, model: torch.nn.Module, routed: Sequence[str] = ()) -> None:
         """Refuse a model whose attention the pass would change: the pass replaces the mask
         transformers traces with plain causal attention over the whole sequence, which is wrong
-        for sliding-window attention (Mistral's default, Gemma's and Qwen2's sliding layers)."""
+        for sliding-window attention (Mistral's default, Gemma's and Qwen2's sliding layers).
+        ``routed``: modules whose forward still routes through a hub kernel (compat/hub_kernels.py),
+        named by the error of an attention call that then runs outside the graphs."""
         if not self.enabled:
             return
-        routed = compat.kernel_routed_modules(model)
         if routed:
             eager_guard.note_cause(
                 f"here the kernels package routes the forward of {routed[0]}{' and others' if len(routed) > 1 else ''} "

@@ -43,7 +43,7 @@ from torch.fx import GraphModule, Node
 from deepcompile import ops
 from deepcompile.passes.causal_mask import packed_attention_call, sdpa_argument, set_sdpa_argument
 
-_SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention,)  # the builtin, never a wrapper (eager_guard.py)
+_SDPA_TARGETS = (F.scaled_dot_product_attention,)  # read at import, before any engine wraps it (eager_guard.py)
 _HEADS, _SEQUENCE = 1, 2
 
 
