@@ -188,6 +188,8 @@ COVERAGE = {
                  "test_largest_model_reports_what_trains_and_why_the_rest_fails_on_cpu"),
     re.compile(r"python3 bench/long_sequence_bench\.py \[--preset .*"):
         ("test", "tests/bench/test_long_sequence_bench.py::test_dc_trains_two_lengths_and_the_other_rows_say_why"),
+    re.compile(r"python3? bench/step_account\.py .*"):
+        ("test", "tests/bench/test_step_account.py::test_cli_prints_traces_side_by_side"),
     re.compile(r"python3 bench/multinode_model\.py \[.*"):
         ("test", "tests/bench/test_multinode_model.py::test_the_script_prints_both_tables"),
     re.compile(r"python3 bench/memory_peak\.py traces/.*"): ("gpu", "reads the allocator trace of a GPU run"),
