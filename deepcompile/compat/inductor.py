@@ -174,9 +174,10 @@ def _fake_mode_of(joint_inputs):
     ``bernoulli``) builds its seed tensor under ``V.fake_mode`` and failed without one. Relies on
     ``torch._inductor.virtualized`` (``V``, ``NullHandler``) and ``torch._guards.detect_fake_mode``."""
     from torch._guards import detect_fake_mode
-    from torch._inductor.virtualized import NullHandler, V
+    from torch._inductor import virtualized
 
     fake_mode = detect_fake_mode(joint_inputs)
-    if fake_mode is None or not isinstance(V.fake_mode, NullHandler):
+    unset = getattr(virtualized, "NullHandler", None)  # what V holds while nothing is set
+    if fake_mode is None or (unset is not None and not isinstance(virtualized.V.fake_mode, unset)):
         return contextlib.nullcontext()  # none to set, or already set by the caller
-    return V.set_fake_mode(fake_mode)
+    return virtualized.V.set_fake_mode(fake_mode)

@@ -268,32 +268,42 @@ def test_offload_plan_under_a_budget(stage):
 
 
 def _state_access_body(ctx, stage):
-    base, base_engine = _train(ctx, "mlp", _config(stage, None), "eager", 3)
-    got, engine = _train(ctx, "mlp", _config(stage, "offload_opt_states"), "eager", 3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = GLOBAL_BATCH // world
+
+    def one_more_step(e):
+        a, b = batch("mlp", 3, device=ctx.device)
+        e.backward(e(a[rank * n: (rank + 1) * n], b[rank * n: (rank + 1) * n]))
+        e.step()
+
+    # The run without offload first, to its end: one training engine per process at a time (a
+    # second initialize replaces the runtime the first one's parameters are registered with).
+    _, base_engine = _train(ctx, "mlp", _config(stage, None), "eager", 3)
+    base_shards = [(s.name, s.local.detach().clone(),
+                    {k: torch.as_tensor(v).clone() for k, v in base_engine.sharding.shard_optimizer_state(s.ds_id).items()})
+                   for s in base_engine.sharding.shards()]
+    one_more_step(base_engine)
+    base_final = base_engine.full_state_dict(all_ranks=True)
+    base_engine.destroy()
+    _, engine = _train(ctx, "mlp", _config(stage, "offload_opt_states"), "eager", 3)
     away = engine.offload.offloaded_units()
     assert away, "nothing offloaded between steps"
     # Reading sharded state between steps reads the host copies (nothing comes back to the
     # device); the values are the optimizer's.
-    for a, b in zip(base_engine.sharding.shards(), engine.sharding.shards()):
-        assert torch.equal(a.local, b.local), a.name
-        sa, sb = (s.sharding.shard_optimizer_state(a.ds_id) for s in (base_engine, engine))
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (a.name, key)
+    for (name, local, state), b in zip(base_shards, engine.sharding.shards()):
+        assert torch.equal(local, b.local), name
+        sb = engine.sharding.shard_optimizer_state(b.ds_id)
+        assert state.keys() == sb.keys()
+        for key in state:
+            assert torch.equal(state[key], torch.as_tensor(sb[key])), (name, key)
     assert engine.offload.offloaded_units() == away
     assert all(u.device_bytes.untyped_storage().nbytes() == 0 for u in away)
     # Training on continues identically, and the next step offloads again.
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = GLOBAL_BATCH // world
-    for e in (base_engine, engine):
-        a, b = batch("mlp", 3, device=ctx.device)
-        e.backward(e(a[rank * n: (rank + 1) * n], b[rank * n: (rank + 1) * n]))
-        e.step()
+    one_more_step(engine)
     assert engine.offload.offloaded_units()
     offloaded_state = engine.full_state_dict(all_ranks=True)
-    for key, value in base_engine.full_state_dict(all_ranks=True).items():
+    for key, value in base_final.items():
         assert torch.equal(offloaded_state[key], value), key
-    base_engine.destroy()
     engine.destroy()
 
 
